@@ -1,0 +1,22 @@
+// Kernel entry points of the qaic op library. Schemas live in ops.cpp.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string>
+
+namespace qaic {
+
+// cache_kernels.cpp
+void reshape_and_cache(
+    const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+    at::Tensor& value_cache, const at::Tensor& slot_mapping);
+
+// attention.cpp
+at::Tensor paged_attention(
+    const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+    const std::optional<at::Tensor>& extra_key_cache, std::optional<double> scale,
+    std::optional<int64_t> sliding_window, const char* op);
+
+}  // namespace qaic

@@ -1,0 +1,51 @@
+"""Build qaic_dynamo and its native op library ``qaic_dynamo._C``.
+
+The extension is compiled against the torch that is already installed, so install with
+``pip install --no-build-isolation -e .`` (``make`` does this). There is deliberately no
+``[build-system] requires = ["torch"]``: build isolation would download a second, CUDA
+build of torch just to compile against it.
+"""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+try:
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+except ImportError as e:  # pragma: no cover - only hit on a misconfigured machine
+    raise SystemExit(
+        "qaic_dynamo builds against an installed torch: run `pip install torch==2.13.0` "
+        "first, then `pip install --no-build-isolation -e .` (or just `make test`)."
+    ) from e
+
+ROOT = Path(__file__).parent
+VERSION = "0.1.0"
+
+ext = CppExtension(
+    name="qaic_dynamo._C",
+    sources=sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.cpp")),
+    include_dirs=[str(ROOT / "csrc")],
+    # torch's CPU wheel is built with OpenMP; at::parallel_for is inlined into our code
+    # and only runs in parallel when we compile with it too. libgomp resolves to the copy
+    # torch has already loaded (same soname), so there is one OpenMP runtime.
+    extra_compile_args=["-O3", "-std=c++17", "-fopenmp"],
+    extra_link_args=["-fopenmp"],
+)
+
+setup(
+    name="qaic_dynamo",
+    version=VERSION,
+    description="torch.compile backend and KV-cache op layer for Qualcomm Cloud AI 100 style accelerators",
+    long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["qaic_dynamo", "qaic_dynamo.*"]),
+    ext_modules=[ext],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    # torch is pinned in requirements.txt and installed first (see Makefile); naming it
+    # here with a range would let pip pick a different, CUDA, build.
+    install_requires=[],
+    entry_points={
+        "console_scripts": ["qaic-dynamo = qaic_dynamo.__main__:main"],
+    },
+)
