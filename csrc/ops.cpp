@@ -57,9 +57,9 @@ at::Tensor unified_mla_kv_cache_update(
   const LayerCaches& c = expect_two(r, op, "compressed_kv cache, k_pe cache");
   at::Tensor ckv_cache = c[0];
   at::Tensor kpe_cache = c[1];
-  reshape_and_cache(
-      as_single_head(kv_c_normed, op, "kv_c_normed"), as_single_head(k_pe, op, "k_pe"),
-      ckv_cache, kpe_cache, ctx.attn_metadata().slot_mapping);
+  const at::Tensor kv_c = as_single_head(kv_c_normed, op, "kv_c_normed");
+  const at::Tensor pe = as_single_head(k_pe, op, "k_pe");
+  reshape_and_cache(kv_c, pe, ckv_cache, kpe_cache, ctx.attn_metadata().slot_mapping);
   return dependency_token(kv_c_normed);
 }
 

@@ -107,6 +107,15 @@ def unified_mla_attention(
 
 @torch.library.register_fake("qaic::reshape_and_cache")
 def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping) -> None:
+    # Mixed devices dispatch here (the meta key wins), so the device rule is checked here too.
+    for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
+        cache = value_cache if name == "value" else key_cache
+        if t.device != cache.device:
+            raise RuntimeError(
+                f"reshape_and_cache: {name} is on {t.device} but "
+                f"{'value_cache' if name == 'value' else 'key_cache'} is on {cache.device}; "
+                "move them to the same device"
+            )
     return None
 
 

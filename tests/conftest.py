@@ -1,0 +1,48 @@
+"""Shared fixtures and pure-PyTorch references for the qaic op tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qaic_dynamo  # noqa: F401  (registers torch.ops.qaic)
+
+
+@pytest.fixture(autouse=True)
+def _reset_dynamo():
+    """Every test starts from a clean Dynamo state: no cached frames, no guards."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def ref_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
+    """Reference: index_put into a [slots, heads, dim] view of clones of the caches."""
+    kc, vc = key_cache.clone(), value_cache.clone()
+    n = slot_mapping.numel()
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    for src, cache in ((key, kc), (value, vc)):
+        nb, h, bs, d = cache.shape
+        flat = cache.permute(0, 2, 1, 3).reshape(nb * bs, h, d).clone()
+        flat[slots] = src[:n][keep]
+        cache.copy_(flat.reshape(nb, bs, h, d).permute(0, 2, 1, 3))
+    return kc, vc
+
+
+def ref_causal_attention(q, k, v, scale=None, sliding_window=None):
+    """Reference for one sequence: q [n, Hq, D] are the last n of L positions, k/v [L, Hkv, D]."""
+    n, L = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    pos = torch.arange(L - n, L).unsqueeze(1)
+    kpos = torch.arange(L).unsqueeze(0)
+    mask = kpos <= pos
+    if sliding_window is not None:
+        mask &= kpos > pos - sliding_window
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(),
+        attn_mask=mask, scale=scale,
+    )
+    return out.transpose(0, 1).to(q.dtype)
