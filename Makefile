@@ -19,10 +19,17 @@ $(DEPS): $(BIN)/python requirements.txt requirements-test.txt
 	$(BIN)/pip install -r requirements.txt -r requirements-test.txt
 	touch $@
 
-# --no-build-isolation: compile against the torch we just installed. ninja makes the
+EDITABLE := $(VENV)/.editable-installed
+
+# The package metadata and entry points (console script, torch_dynamo_backends), installed
+# editable once; the extension itself is built by the `build` rule below.
+$(EDITABLE): $(DEPS) setup.py
+	QAIC_DYNAMO_SKIP_EXT_BUILD=1 $(BIN)/pip install --no-build-isolation --no-deps -e . -q
+	touch $@
+
+# Compiled against the torch we just installed (no build isolation). ninja keeps the
 # rebuild incremental, so running this every time costs a few seconds.
-build: $(DEPS)
-	$(BIN)/pip install --no-build-isolation --no-deps -e . -q
+build: $(EDITABLE)
 	$(BIN)/python setup.py -q build_ext --inplace
 
 demo: build

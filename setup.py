@@ -6,6 +6,7 @@ The extension is compiled against the torch that is already installed, so instal
 build of torch just to compile against it.
 """
 
+import os
 from pathlib import Path
 
 from setuptools import find_packages, setup
@@ -32,6 +33,11 @@ ext = CppExtension(
     extra_link_args=["-fopenmp"],
 )
 
+# `make` compiles the extension in place with ninja (incremental) and then installs the
+# package editable for its metadata and entry points; this flag keeps that editable install
+# from compiling everything a second time in a throw-away directory.
+ext_modules = [] if os.environ.get("QAIC_DYNAMO_SKIP_EXT_BUILD") == "1" else [ext]
+
 setup(
     name="qaic_dynamo",
     version=VERSION,
@@ -40,7 +46,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["qaic_dynamo", "qaic_dynamo.*"]),
-    ext_modules=[ext],
+    ext_modules=ext_modules,
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     # torch is pinned in requirements.txt and installed first (see Makefile); naming it
     # here with a range would let pip pick a different, CUDA, build.

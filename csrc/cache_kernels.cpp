@@ -66,34 +66,46 @@ void validate_slots(const index_t* slots, int64_t n, int64_t num_slots) {
   }
 }
 
+// Row geometry of one (source, cache) pair, in bytes.
+struct RowCopy {
+  const char* src;
+  char* cache;
+  int64_t s_tok, s_head, row_bytes, heads, block_size;
+
+  RowCopy(const at::Tensor& s, at::Tensor& c)
+      : src(static_cast<const char*>(s.const_data_ptr())),
+        cache(static_cast<char*>(c.data_ptr())),
+        s_tok(s.stride(0) * s.element_size()),
+        s_head(s.stride(1) * s.element_size()),
+        row_bytes(c.size(3) * c.element_size()),
+        heads(c.size(1)),
+        block_size(c.size(2)) {}
+
+  void copy_token(int64_t t, int64_t block, int64_t offset) const {
+    for (int64_t h = 0; h < heads; ++h) {
+      std::memcpy(
+          cache + ((block * heads + h) * block_size + offset) * row_bytes,
+          src + t * s_tok + h * s_head, row_bytes);
+    }
+  }
+};
+
 template <typename index_t>
-void scatter_rows(
-    const at::Tensor& src, at::Tensor& cache, const index_t* slots, int64_t num_tokens) {
-  const int64_t heads = cache.size(1);
-  const int64_t block_size = cache.size(2);
-  const int64_t head_size = cache.size(3);
-  const int64_t esize = cache.element_size();
-  const int64_t row_bytes = head_size * esize;
-  const int64_t s_tok = src.stride(0) * esize;
-  const int64_t s_head = src.stride(1) * esize;
-  const char* src_base = static_cast<const char*>(src.const_data_ptr());
-  char* cache_base = static_cast<char*>(cache.data_ptr());
-  // Small writes (decode) stay on the calling thread; threading only pays off once a
-  // chunk moves tens of kilobytes.
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, heads * row_bytes));
+void scatter_rows(const RowCopy& k, const RowCopy& v, const index_t* slots, int64_t num_tokens) {
+  const int64_t token_bytes = k.heads * k.row_bytes + v.heads * v.row_bytes;
+  // K and V in one parallel region: entering a region costs microseconds, which is the
+  // whole budget of a decode-sized write. Small writes stay on the calling thread.
+  const int64_t grain = std::max<int64_t>(1, (128 * 1024) / std::max<int64_t>(1, token_bytes));
   at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = static_cast<int64_t>(slots[t]);
       if (slot < 0) {
         continue;  // padding: never touch the cache, above all not slot -1 == "last"
       }
-      const int64_t block = slot / block_size;
-      const int64_t offset = slot % block_size;
-      for (int64_t h = 0; h < heads; ++h) {
-        std::memcpy(
-            cache_base + ((block * heads + h) * block_size + offset) * row_bytes,
-            src_base + t * s_tok + h * s_head, row_bytes);
-      }
+      const int64_t block = slot / k.block_size;
+      const int64_t offset = slot % k.block_size;
+      k.copy_token(t, block, offset);
+      v.copy_token(t, block, offset);
     }
   });
 }
@@ -140,8 +152,7 @@ void reshape_and_cache(
     const index_t* s = slots.const_data_ptr<index_t>();
     // Validate every slot before writing any, so a bad call leaves the cache untouched.
     validate_slots(s, num_tokens, num_slots);
-    scatter_rows(k, key_cache, s, num_tokens);
-    scatter_rows(v, value_cache, s, num_tokens);
+    scatter_rows(RowCopy(k, key_cache), RowCopy(v, value_cache), s, num_tokens);
   });
 }
 

@@ -1,0 +1,30 @@
+"""The benchmark scripts run and produce well-formed output (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_benchmark(script: str, tmp_path: Path, *args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--results-dir", str(tmp_path), *args],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_kv_cache_update_benchmark_smoke(tmp_path):
+    out = run_benchmark("kv_cache_update.py", tmp_path)
+    result = json.loads((tmp_path / "kv_cache_update_quick.json").read_text())
+    assert {r["case"] for r in result["throughput"]} == {"decode", "prefill"}
+    for r in result["throughput"]:
+        assert r["qaic_us"] > 0 and r["copy__us"] > 0 and r["index_put_us"] > 0
+    assert [r["capacity"] for r in result["capacity"]] == ["1x", "16x", "256x"]
+    assert "target >= 50% of copy_ bandwidth" in out
+    assert (tmp_path / "kv_cache_update_quick.md").read_text().startswith("### reshape_and_cache")
