@@ -30,16 +30,23 @@ const LayerCaches& expect_two(const ResolvedLayer& r, const char* op, const char
   return *r.caches;
 }
 
+// Shared by both update ops: resolve the layer (advancing the index for the magic name)
+// and scatter the two per-token tensors into its two caches.
+at::Tensor update_layer(
+    const at::Tensor& first, const at::Tensor& second, c10::string_view layer_name,
+    const char* op, const char* what) {
+  ForwardContext& ctx = current_forward_context(op);
+  const LayerCaches& c =
+      expect_two(ctx.resolve_for_update(std::string(layer_name), op), op, what);
+  at::Tensor first_cache = c[0];
+  at::Tensor second_cache = c[1];
+  reshape_and_cache(first, second, first_cache, second_cache, ctx.attn_metadata().slot_mapping);
+  return dependency_token(first);
+}
+
 at::Tensor unified_kv_cache_update(
     const at::Tensor& key, const at::Tensor& value, c10::string_view layer_name) {
-  constexpr const char* op = "unified_kv_cache_update";
-  ForwardContext& ctx = current_forward_context(op);
-  ResolvedLayer r = ctx.resolve_for_update(std::string(layer_name), op);
-  const LayerCaches& c = expect_two(r, op, "key_cache, value_cache");
-  at::Tensor key_cache = c[0];
-  at::Tensor value_cache = c[1];
-  reshape_and_cache(key, value, key_cache, value_cache, ctx.attn_metadata().slot_mapping);
-  return dependency_token(key);
+  return update_layer(key, value, layer_name, "unified_kv_cache_update", "key_cache, value_cache");
 }
 
 at::Tensor as_single_head(const at::Tensor& t, const char* op, const char* name) {
@@ -52,15 +59,10 @@ at::Tensor as_single_head(const at::Tensor& t, const char* op, const char* name)
 at::Tensor unified_mla_kv_cache_update(
     const at::Tensor& kv_c_normed, const at::Tensor& k_pe, c10::string_view layer_name) {
   constexpr const char* op = "unified_mla_kv_cache_update";
-  ForwardContext& ctx = current_forward_context(op);
-  ResolvedLayer r = ctx.resolve_for_update(std::string(layer_name), op);
-  const LayerCaches& c = expect_two(r, op, "compressed_kv cache, k_pe cache");
-  at::Tensor ckv_cache = c[0];
-  at::Tensor kpe_cache = c[1];
+  // Shapes are checked before the layer is resolved, so a bad call does not move the index.
   const at::Tensor kv_c = as_single_head(kv_c_normed, op, "kv_c_normed");
   const at::Tensor pe = as_single_head(k_pe, op, "k_pe");
-  reshape_and_cache(kv_c, pe, ckv_cache, kpe_cache, ctx.attn_metadata().slot_mapping);
-  return dependency_token(kv_c_normed);
+  return update_layer(kv_c, pe, layer_name, op, "compressed_kv cache, k_pe cache");
 }
 
 at::Tensor unified_attention(
