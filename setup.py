@@ -53,5 +53,7 @@ setup(
     install_requires=[],
     entry_points={
         "console_scripts": ["qaic-dynamo = qaic_dynamo.__main__:main"],
+        # torch.compile(backend="qaic") finds the backend here without an import.
+        "torch_dynamo_backends": ["qaic = qaic_dynamo.backend:qaic_backend"],
     },
 )

@@ -50,6 +50,7 @@ AttentionMetadata::AttentionMetadata(
       slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong,
       "AttentionMetadata.slot_mapping must be int32 or int64, got ",
       slot_mapping.scalar_type());
+  slot_mapping_i64 = slot_mapping.to(at::kLong).contiguous();
   const int given = int(block_tables.has_value()) + int(seq_lens.has_value()) +
       int(query_start_loc.has_value());
   TORCH_CHECK(
@@ -182,6 +183,13 @@ void ForwardContext::unknown_layer(const std::string& name, const char* op) cons
       false, op, ": unknown KV-cache layer '", name,
       "'; the forward context knows: [", join_names(known), "]",
       name == kFromForwardContext ? "" : " (or pass 'from_forward_context' to take the next layer in order)");
+}
+
+void ForwardContext::rewind_kv_cache_layer_index(int64_t to) {
+  TORCH_CHECK(
+      to >= 0 && to <= kv_cache_layer_index_, "rewind_kv_cache_layer_index: can only move back "
+      "(index is ", kv_cache_layer_index_, ", asked for ", to, ")");
+  kv_cache_layer_index_ = to;
 }
 
 void push_forward_context(std::shared_ptr<ForwardContext> ctx) {

@@ -43,6 +43,7 @@ struct AttentionMetadata {
   std::vector<int64_t> seq_lens_host;
   std::vector<int64_t> query_start_loc_host;
   at::Tensor block_tables_i64;  // contiguous int64 copy of block_tables
+  at::Tensor slot_mapping_i64;  // contiguous int64 slot_mapping (what ONNX pieces bind)
   bool has_attention = false;
 
   AttentionMetadata(
@@ -108,6 +109,9 @@ class ForwardContext {
   void reset_kv_cache_layer_index() {
     kv_cache_layer_index_ = 0;
   }
+  // Undo resolutions of a piece that failed before it wrote anything, so the eager
+  // fallback resolves the same layers again. Only moves backwards.
+  void rewind_kv_cache_layer_index(int64_t to);
 
  private:
   [[noreturn]] void unknown_layer(const std::string& name, const char* op) const;

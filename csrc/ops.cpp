@@ -164,6 +164,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("block_tables", &AttentionMetadata::block_tables)
       .def_readonly("seq_lens", &AttentionMetadata::seq_lens)
       .def_readonly("query_start_loc", &AttentionMetadata::query_start_loc)
+      .def_readonly("slot_mapping_i64", &AttentionMetadata::slot_mapping_i64)
       .def_property_readonly("num_seqs", &AttentionMetadata::num_seqs)
       .def_property_readonly(
           "num_tokens", [](const AttentionMetadata& md) { return md.slot_mapping.size(0); });
@@ -194,7 +195,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("layer_name"), py::arg("op") = "unified_kv_cache_update",
           "Resolve a cache-update op's layer exactly as the op does (advancing the index "
           "for 'from_forward_context'); returns (real_name, caches).")
-      .def("reset_kv_cache_layer_index", &ForwardContext::reset_kv_cache_layer_index);
+      .def("reset_kv_cache_layer_index", &ForwardContext::reset_kv_cache_layer_index)
+      .def("rewind_kv_cache_layer_index", &ForwardContext::rewind_kv_cache_layer_index, py::arg("to"));
 
   m.def("push_forward_context", &push_forward_context, py::arg("ctx"));
   m.def("pop_forward_context", &pop_forward_context);

@@ -1,0 +1,156 @@
+"""The backend's configuration: one frozen dataclass, built from ``torch.compile`` options.
+
+``torch.compile(model, backend="qaic", options={...})`` hands the options dict to
+:meth:`CompilationConfig.from_options`, which rejects unknown keys (listing the valid
+ones) and bad values (listing the valid values). Environment variables are read here and
+nowhere else, in :func:`_environment_defaults`; an explicit option wins over the
+environment.
+
+``compute_hash()`` covers exactly the fields that change a compiled artifact, so it is
+part of every piece's fingerprint: two configs that would produce different ONNX never
+share a cache entry, and configs that differ only in, say, ``dump_dir`` do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+__all__ = ["CompilationConfig", "ConfigError", "DEFAULT_SPLITTING_OPS"]
+
+DEFAULT_SPLITTING_OPS: tuple[str, ...] = ("qaic::unified_attention", "qaic::unified_mla_attention")
+RUNTIMES = ("onnxruntime", "qaic")
+FALLBACKS = ("eager", "error")
+#: Opsets the lowering is tested with; onnxscript's torch library needs 18 or newer.
+OPSETS = tuple(range(18, 24))
+
+
+class ConfigError(ValueError):
+    """A bad ``options`` key or value; the message lists what is valid."""
+
+
+def _doc(text: str) -> dict[str, str]:
+    return {"doc": text}
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    splitting_ops: tuple[str, ...] = field(
+        default=DEFAULT_SPLITTING_OPS,
+        metadata=_doc(
+            "Ops at which the graph is split, as 'namespace::name' (e.g. "
+            "'qaic::unified_attention', 'aten::scaled_dot_product_attention'). They run "
+            "eagerly between compiled pieces. Empty: the whole graph is one piece."
+        ),
+    )
+    runtime: str = field(
+        default="onnxruntime",
+        metadata=_doc(
+            "'onnxruntime' runs pieces with ONNX Runtime; 'qaic' compiles them with "
+            "qaic-compile (needs the Qualcomm SDK in /opt/qti-aic)."
+        ),
+    )
+    opset: int = field(default=18, metadata=_doc("ONNX opset of the lowered pieces."))
+    fallback: str = field(
+        default="eager",
+        metadata=_doc(
+            "What to do with a piece that cannot be lowered or run: 'eager' runs it with "
+            "PyTorch (counted, warned once), 'error' raises."
+        ),
+    )
+    dump_dir: str | None = field(
+        default=None,
+        metadata=_doc(
+            "Directory to write each unique piece's .onnx, readable FX code and a summary "
+            "JSON to. Default: $QAIC_DYNAMO_DUMP_DIR, else nothing is dumped."
+        ),
+    )
+    num_threads: int | None = field(
+        default=None,
+        metadata=_doc("ONNX Runtime intra-op threads. Default: torch.get_num_threads()."),
+    )
+
+    #: Fields that change what a piece compiles to; everything else is runtime behaviour.
+    ARTIFACT_FIELDS = ("opset", "runtime")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.splitting_ops, str) or not all(isinstance(s, str) for s in self.splitting_ops):
+            raise ConfigError(
+                "qaic option 'splitting_ops' must be a list of op names like "
+                f"'qaic::unified_attention', got {self.splitting_ops!r}"
+            )
+        object.__setattr__(self, "splitting_ops", tuple(self.splitting_ops))
+        for name in self.splitting_ops:
+            _check_op_name(name)
+        _check_choice("runtime", self.runtime, RUNTIMES)
+        _check_choice("fallback", self.fallback, FALLBACKS)
+        _check_choice("opset", self.opset, OPSETS)
+        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
+            raise ConfigError(f"qaic option 'num_threads' must be a positive int or None, got {self.num_threads!r}")
+        if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
+            raise ConfigError(f"qaic option 'dump_dir' must be a path or None, got {self.dump_dir!r}")
+
+    @classmethod
+    def valid_keys(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None = None) -> CompilationConfig:
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(cls.valid_keys()))
+        if unknown:
+            raise ConfigError(
+                f"unknown qaic option(s) {unknown}; valid options are: {', '.join(cls.valid_keys())}"
+            )
+        values = {**_environment_defaults(), **options}
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> CompilationConfig:
+        return dataclasses.replace(self, **changes)
+
+    def artifact_fields(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.ARTIFACT_FIELDS}
+
+    def compute_hash(self) -> str:
+        """sha256 of the fields that change an artifact (sorted-key JSON)."""
+        blob = json.dumps(self.artifact_fields(), sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    @classmethod
+    def describe(cls) -> str:
+        """Every option with its default and documentation (for --help style output)."""
+        return "\n".join(
+            f"{f.name} (default {f.default!r}): {f.metadata.get('doc', '')}" for f in fields(cls)
+        )
+
+
+def _environment_defaults() -> dict[str, Any]:
+    """The one place environment variables are read."""
+    env: dict[str, Any] = {}
+    if os.environ.get("QAIC_DYNAMO_DUMP_DIR"):
+        env["dump_dir"] = os.environ["QAIC_DYNAMO_DUMP_DIR"]
+    if os.environ.get("QAIC_DYNAMO_FALLBACK"):
+        env["fallback"] = os.environ["QAIC_DYNAMO_FALLBACK"]
+    return env
+
+
+def _check_choice(key: str, value: Any, valid: tuple) -> None:
+    if value not in valid or isinstance(value, bool):
+        raise ConfigError(f"qaic option {key!r} must be one of {list(valid)}, got {value!r}")
+
+
+def _check_op_name(name: str) -> None:
+    import torch
+
+    ns, sep, op = name.partition("::")
+    packet = getattr(getattr(torch.ops, ns, None), op, None) if sep and ns and op else None
+    if packet is None:
+        raise ConfigError(
+            f"qaic option 'splitting_ops': {name!r} is not a registered op; use "
+            f"'namespace::name', e.g. {list(DEFAULT_SPLITTING_OPS) + ['aten::scaled_dot_product_attention']}"
+        )

@@ -1,0 +1,202 @@
+"""Structural fingerprint of a graph piece: the key under which its artifact is reused.
+
+The rule it must keep: two pieces that could compute different results never share a key;
+two pieces that always compute the same function of their inputs should.
+
+In the key:
+  * every node's op kind and target, and every argument: references to other nodes by
+    position, and the *values* of constants (floats by exact repr, so an RMSNorm eps of
+    1e-5 and 1e-6 differ; strings, so a per-layer name in a custom op differs; dtypes,
+    devices, slices; tensor constants by a hash of their bytes);
+  * every input's kind, dtype, shape and stride, with symbolic sizes written in canonical
+    symbols (S0, S1, ... in order of first appearance), so the key does not depend on what
+    Dynamo happened to call a symbol;
+  * the config hash (fields that change an artifact) and the versions of torch, onnx,
+    onnxscript, onnxruntime and qaic_dynamo.
+Not in the key: node and placeholder names, the layer's position, and parameter values
+(parameters are inputs; their metadata is in the key, their values are not).
+
+A call to a Python function that is not part of torch is keyed by its qualified name and
+a hash of its bytecode and constants, so editing the function changes the key.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import json
+import operator
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+
+__all__ = ["Fingerprint", "fingerprint", "library_versions"]
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    key: str  # sha256 hex
+    inputs: dict[str, Any]  # everything that went into the key, JSON-serialisable
+
+    @property
+    def prefix(self) -> str:
+        return self.key[:12]
+
+
+@functools.cache
+def library_versions() -> dict[str, str]:
+    versions = {}
+    for pkg in ("torch", "onnx", "onnxscript", "onnxruntime", "qaic_dynamo"):
+        try:
+            versions[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            versions[pkg] = "not-installed"
+    return versions
+
+
+class _Canon:
+    """Turns one piece into a JSON-able structure with canonical names."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[fx.Node, str] = {}
+        self.symbols: dict[sympy.Symbol, sympy.Symbol] = {}
+
+    # -- symbolic sizes ---------------------------------------------------------------
+    def expr(self, e: Any) -> str:
+        e = sympy.sympify(e)
+        for s in sorted(e.free_symbols, key=str):
+            if s not in self.symbols:
+                self.symbols[s] = sympy.Symbol(f"S{len(self.symbols)}", integer=True)
+        return str(e.xreplace(self.symbols))
+
+    def size(self, x: Any) -> Any:
+        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return {"sym": self.expr(x.node.expr)}
+        return x
+
+    # -- inputs -----------------------------------------------------------------------
+    def example(self, v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return {
+                "tensor": str(v.dtype).replace("torch.", ""),
+                "param": isinstance(v, torch.nn.Parameter),
+                "shape": [self.size(d) for d in v.shape],
+                "stride": [self.size(d) for d in v.stride()],
+                "device": v.device.type,
+            }
+        if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return {"symint": self.expr(v.node.expr)}
+        return {"const": self.value(v)}
+
+    # -- arguments --------------------------------------------------------------------
+    def value(self, a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return {"node": self.nodes[a]}
+        if a is None or isinstance(a, str):
+            return a
+        if isinstance(a, bool):
+            return {"bool": a}
+        if isinstance(a, int):
+            return {"int": a}
+        if isinstance(a, float):
+            return {"float": repr(a)}  # repr is exact: 1e-05 != 1e-06
+        if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return {"sym": self.expr(a.node.expr)}
+        if isinstance(a, (list, tuple)):
+            return {type(a).__name__: [self.value(x) for x in a]}
+        if isinstance(a, dict):
+            return {"dict": [[str(k), self.value(v)] for k, v in sorted(a.items(), key=lambda kv: str(kv[0]))]}
+        if isinstance(a, slice):
+            return {"slice": [self.value(a.start), self.value(a.stop), self.value(a.step)]}
+        if isinstance(a, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+            return {type(a).__name__: str(a)}
+        if isinstance(a, torch.Tensor):
+            return {"tensor_constant": _tensor_digest(a)}
+        if a is Ellipsis:
+            return {"ellipsis": True}
+        if callable(a):
+            return {"callable": _callable_name(a)}
+        return {"repr": f"{type(a).__module__}.{type(a).__qualname__}:{a!r}"}
+
+
+def _tensor_digest(t: torch.Tensor) -> dict[str, Any]:
+    t = t.detach().cpu().contiguous()
+    data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return {
+        "dtype": str(t.dtype),
+        "shape": list(t.shape),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+
+
+def _callable_name(fn: Any) -> str:
+    if isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return f"torch.ops.{fn}"
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__qualname__
+    ident = f"{module}.{name}"
+    code = getattr(fn, "__code__", None)
+    if isinstance(code, types.CodeType) and not module.startswith(("torch", "operator", "_operator", "builtins")):
+        # A user function allowed into the graph: its behaviour is its code, constants
+        # and closure, so those are the key (a name alone could hide an edit).
+        h = hashlib.sha256(code.co_code)
+        h.update(repr(code.co_consts).encode())
+        for cell in getattr(fn, "__closure__", None) or ():
+            h.update(repr(cell.cell_contents).encode())
+        ident += f"#{h.hexdigest()[:16]}"
+    return ident
+
+
+def _target(node: fx.Node, gm: fx.GraphModule, canon: _Canon) -> Any:
+    if node.op == "call_function":
+        if node.target is operator.getitem:
+            return "getitem"
+        return _callable_name(node.target)
+    if node.op == "call_method":
+        return f"method:{node.target}"
+    if node.op == "get_attr":
+        attr = operator.attrgetter(node.target)(gm)
+        if isinstance(attr, torch.Tensor):
+            return {"get_attr": _tensor_digest(attr)}
+        return {"get_attr": canon.value(attr)}
+    if node.op == "call_module":
+        mod = operator.attrgetter(node.target)(gm)
+        state = {k: _tensor_digest(v) for k, v in mod.state_dict().items()}
+        return {"module": f"{type(mod).__module__}.{type(mod).__qualname__}", "repr": repr(mod), "state": state}
+    return node.op
+
+
+def fingerprint(gm: fx.GraphModule, example_args: Sequence[Any], config_hash: str) -> Fingerprint:
+    canon = _Canon()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_args):
+        raise ValueError(
+            f"fingerprint: the piece has {len(placeholders)} inputs but {len(example_args)} example args"
+        )
+    inputs = []
+    for i, (node, arg) in enumerate(zip(placeholders, example_args)):
+        canon.nodes[node] = f"in{i}"
+        inputs.append(canon.example(arg))
+    body = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        canon.nodes[node] = f"n{len(body)}"
+        body.append(
+            [node.op, _target(node, gm, canon), canon.value(tuple(node.args)), canon.value(dict(node.kwargs))]
+        )
+    payload = {
+        "format": 1,
+        "inputs": inputs,
+        "graph": body,
+        "config_hash": config_hash,
+        "versions": library_versions(),
+    }
+    blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return Fingerprint(hashlib.sha256(blob.encode()).hexdigest(), payload)

@@ -1,0 +1,124 @@
+"""A reference Llama-style decoder on the qaic ops.
+
+The model works on a flat batch of tokens (``input_ids [T]``, ``positions [T]``), as a
+paged-KV engine feeds it: which sequence a token belongs to, and where its K/V go, is in
+the forward context, not in the model. Each attention layer writes its cache with
+``qaic::unified_kv_cache_update`` and reads it with ``qaic::unified_attention`` (the
+splitting op).
+
+``layer_agnostic_kv_update=True`` (the default) calls the update with
+``"from_forward_context"``: no per-layer constant reaches the traced graph, so every
+middle layer's piece is identical and compiles once. ``False`` passes each layer's real
+name, the baseline the cold-start benchmark compares against.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from qaic_dynamo.forward_context import FROM_FORWARD_CONTEXT
+
+__all__ = ["QaicLlamaConfig", "QaicLlamaForCausalLM"]
+
+
+@dataclass
+class QaicLlamaConfig:
+    vocab_size: int = 512
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    layer_agnostic_kv_update: bool = True
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class QaicAttention(nn.Module):
+    def __init__(self, cfg: QaicLlamaConfig, layer_name: str) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.layer_name = layer_name
+        self.kv_update_name = FROM_FORWARD_CONTEXT if cfg.layer_agnostic_kv_update else layer_name
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        dep = torch.ops.qaic.unified_kv_cache_update(k, v, self.kv_update_name)
+        o = torch.ops.qaic.unified_attention(q, k, v, self.layer_name, self.scale, None, dep)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class QaicDecoderLayer(nn.Module):
+    def __init__(self, cfg: QaicLlamaConfig, layer_name: str) -> None:
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.self_attn = QaicAttention(cfg, layer_name)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class QaicLlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: QaicLlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            QaicDecoderLayer(cfg, f"model.layers.{i}.self_attn") for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @property
+    def kv_cache_layers(self) -> list[str]:
+        """Layer names in the order the model updates them."""
+        return [layer.self_attn.layer_name for layer in self.layers]
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        return (num_blocks, self.config.num_key_value_heads, block_size, self.config.head_dim)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        freqs = positions.unsqueeze(-1).to(torch.float32) * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos().to(x.dtype).unsqueeze(1)  # [T, 1, head_dim], broadcast over heads
+        sin = emb.sin().to(x.dtype).unsqueeze(1)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))

@@ -1,0 +1,107 @@
+"""The qaic custom ops as ONNX functions (domain ``com.qualcomm.cloud``).
+
+They are onnxscript functions, so every lowered model carries their definition in
+``model.functions`` and any ONNX runtime can execute them; the QAIC compiler maps the
+domain to its own kernels.
+
+``KVCacheScatter(cache, slot_mapping, updates)`` is ``reshape_and_cache`` in ONNX:
+  cache        [num_blocks, heads, block_size, head_size]  (retained state)
+  slot_mapping [T] int64, -1 = padding
+  updates      [T', heads, head_size], T' >= T (rows past T are padding)
+It writes ``updates[t]`` to (slot // block_size, :, slot % block_size) with ScatterND.
+
+How it reaches a model: torch.onnx's exporter converts every model to the requested opset
+with onnxscript's version converter, which inlines all functions first, even when no
+conversion is needed. So the translation emits a plain ``com.qualcomm.cloud``
+``KVCacheScatter`` node (:data:`kv_cache_scatter_node`, an op with an explicit schema; the
+converter leaves custom domains alone) and the lowering then attaches the function body
+(:func:`function_protos`) to ``model.functions``.
+
+Padding needs care: ScatterND reads a negative index as counting from the end, so a -1
+slot would silently overwrite the last slot of the cache. Padded rows are therefore
+*redirected* to repeat the first real token's write (same slot, same value): ScatterND
+leaves the order of duplicate writes undefined, but when the duplicates carry identical
+values every order gives the same result. A batch with no real token at all rewrites slot
+0 with its own current value. Either way padding changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar, Union
+
+import onnxscript
+from onnxscript import opset18 as op
+from onnxscript.onnx_types import BFLOAT16, FLOAT, FLOAT16, INT64
+from onnx import defs
+from onnxscript.values import Op, Opset
+
+__all__ = ["QAIC_DOMAIN", "KVCacheScatter", "kv_cache_scatter_node", "function_protos"]
+
+QAIC_DOMAIN = "com.qualcomm.cloud"
+qaic_opset = Opset(QAIC_DOMAIN, 1)
+
+TFloat = TypeVar("TFloat", bound=Union[FLOAT, FLOAT16, BFLOAT16])
+
+
+@onnxscript.script(qaic_opset, default_opset=op)
+def KVCacheScatter(cache: TFloat, slot_mapping: INT64, updates: TFloat) -> TFloat:
+    zero = op.Constant(value_ints=[0])
+    one = op.Constant(value_ints=[1])
+    two = op.Constant(value_ints=[2])
+    three = op.Constant(value_ints=[3])
+    four = op.Constant(value_ints=[4])
+    shape = op.Shape(cache)
+    heads = op.Slice(shape, one, two)
+    block_size = op.Slice(shape, two, three)
+
+    num_tokens = op.Shape(slot_mapping)
+    rows = op.Slice(updates, zero, num_tokens)  # drop padding rows past the slot mapping
+    valid = op.GreaterOrEqual(slot_mapping, op.Constant(value_int=0))
+
+    # The write every padded row repeats: the first real token's, or slot 0's own value.
+    first = op.ArgMax(op.Cast(valid, to=6), axis=0, keepdims=1)
+    first_slot = op.Gather(slot_mapping, first)
+    any_valid = op.GreaterOrEqual(first_slot, op.Constant(value_int=0))
+    slot0 = op.Reshape(
+        op.Gather(op.Gather(cache, zero, axis=0), zero, axis=2),
+        op.Concat(one, heads, op.Slice(shape, three, four), axis=0),
+    )
+    fill_slot = op.Where(any_valid, first_slot, zero)
+    fill_row = op.Where(op.Unsqueeze(any_valid, op.Constant(value_ints=[1, 2])), op.Gather(rows, first, axis=0), slot0)
+    slot = op.Where(valid, slot_mapping, fill_slot)
+    src = op.Where(op.Unsqueeze(valid, op.Constant(value_ints=[1, 2])), rows, fill_row)
+
+    # indices [T, heads, 3] = (block, head, offset)
+    grid = op.Concat(num_tokens, heads, axis=0)
+    block = op.Expand(op.Unsqueeze(op.Div(slot, block_size), one), grid)
+    offset = op.Expand(op.Unsqueeze(op.Mod(slot, block_size), one), grid)
+    head = op.Expand(
+        op.Unsqueeze(op.Range(op.Constant(value_int=0), op.Squeeze(heads, zero), op.Constant(value_int=1)), zero),
+        grid,
+    )
+    indices = op.Concat(op.Unsqueeze(block, two), op.Unsqueeze(head, two), op.Unsqueeze(offset, two), axis=2)
+    return op.ScatterND(cache, indices, src)
+
+
+_SCHEMA = defs.OpSchema(
+    "KVCacheScatter",
+    QAIC_DOMAIN,
+    1,
+    inputs=[
+        defs.OpSchema.FormalParameter("cache", "T"),
+        defs.OpSchema.FormalParameter("slot_mapping", "tensor(int64)"),
+        defs.OpSchema.FormalParameter("updates", "T"),
+    ],
+    outputs=[defs.OpSchema.FormalParameter("updated_cache", "T")],
+    type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "cache dtype")],
+)
+
+#: Calling this inside a torch.onnx custom translation emits one KVCacheScatter node.
+kv_cache_scatter_node = Op(qaic_opset, "KVCacheScatter", _SCHEMA)
+
+_FUNCTIONS = {"KVCacheScatter": KVCacheScatter}
+
+
+def function_protos(used: set[str]) -> list:
+    """FunctionProtos of the qaic functions named in ``used``."""
+    return [_FUNCTIONS[name].to_function_proto() for name in sorted(used) if name in _FUNCTIONS]
