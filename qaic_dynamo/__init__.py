@@ -9,6 +9,7 @@ import torch  # noqa: F401  (libtorch must be loaded before the extension)
 
 from qaic_dynamo import _C  # noqa: F401
 from qaic_dynamo import ops
+from qaic_dynamo.counter import CompilationCounter, compilation_counter
 from qaic_dynamo.forward_context import (
     FROM_FORWARD_CONTEXT,
     AttentionMetadata,
@@ -21,8 +22,31 @@ from qaic_dynamo.forward_context import (
 
 __version__ = "0.1.0"
 
+# The backend pulls in onnx, onnxscript and onnxruntime; load it only when asked for.
+_LAZY = {
+    "CompilationConfig": "qaic_dynamo.config",
+    "compile_reports": "qaic_dynamo.backend",
+    "last_compile_report": "qaic_dynamo.backend",
+    "qaic_backend": "qaic_dynamo.backend",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'qaic_dynamo' has no attribute {name!r}")
+
+
 __all__ = [
+    "CompilationConfig",
+    "CompilationCounter",
     "FROM_FORWARD_CONTEXT",
+    "compilation_counter",
+    "compile_reports",
+    "last_compile_report",
+    "qaic_backend",
     "AttentionMetadata",
     "ForwardContext",
     "build_attention_metadata",

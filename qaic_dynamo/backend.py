@@ -53,6 +53,8 @@ class PieceReport:
     key: str | None = None  # fingerprint prefix
     reused: bool | None = None
     seconds: float = 0.0  # fingerprint + lowering + session, this piece
+    export_seconds: float = 0.0  # ONNX export + checks (0 when reused)
+    load_seconds: float = 0.0  # ONNX Runtime session creation (0 when reused)
     fallback: str | None = None
     artifact: str | None = None  # artifact directory (readable path)
 
@@ -200,8 +202,11 @@ class QaicBackend:
             try:
                 out_dir = artifact_cache.new_artifact_dir(fp.key)
                 (out_dir / "fingerprint.json").write_text(json.dumps(fp.inputs, indent=1, sort_keys=True))
+                t1 = time.perf_counter()
                 lower_piece(piece.graph_module, args, fake_mode, self.config, out_dir)
+                t2 = time.perf_counter()
                 artifact = load(out_dir, self.config)
+                entry.export_seconds, entry.load_seconds = t2 - t1, time.perf_counter() - t2
                 artifact_cache.store(fp.key, artifact)
                 compilation_counter.num_backend_compilations += 1
             except LoweringError as e:

@@ -77,6 +77,8 @@ class _Canon:
 
     def size(self, x: Any) -> Any:
         if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            if x.node.expr.is_number:  # specialised: a SymInt that is really a constant
+                return int(x.node.expr) if isinstance(x, torch.SymInt) else {"sym": str(x.node.expr)}
             return {"sym": self.expr(x.node.expr)}
         return x
 

@@ -55,6 +55,8 @@ from qaic_dynamo.partition import op_name
 __all__ = ["LoweringError", "PieceLayout", "lower_piece", "ONNX_FILE", "LAYOUT_FILE"]
 
 logger = logging.getLogger("qaic_dynamo")
+# The exporter warns on every export that torchvision (whose ops we never use) is missing.
+logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
 
 ONNX_FILE = "model.onnx"
 LAYOUT_FILE = "layout.json"
@@ -145,6 +147,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _is_kv_update(node: fx.Node) -> bool:
     return node.op == "call_function" and op_name(node.target) in KV_UPDATE_OPS
+
+
+def _is_symbolic(x: Any) -> bool:
+    return isinstance(x, torch.SymInt) and not x.node.expr.is_number
 
 
 def _hint(x: Any) -> int:
@@ -296,7 +302,7 @@ def _prepare(gm: fx.GraphModule, example_args: Sequence[Any], fake_mode: Any) ->
         del upd["retained"]
     g.output(tuple(onnx_outputs + retained_nodes))
     g.lint()
-    new_gm = fx.GraphModule(gm, g)
+    new_gm = fx.GraphModule(gm, g).eval()
 
     # Example inputs and dynamic dims for the exporter.
     values = {s: max(_hint(s_int), 2) for s, s_int in _symbol_hints(example_args).items()}
@@ -308,7 +314,7 @@ def _prepare(gm: fx.GraphModule, example_args: Sequence[Any], fake_mode: Any) ->
         a = example_args[src[1]]
         shape = [_concrete(d, values) for d in a.shape]
         example.append(torch.zeros(shape, dtype=a.dtype))
-        dyn = {d: torch.export.Dim.DYNAMIC for d, size in enumerate(a.shape) if isinstance(size, torch.SymInt)}
+        dyn = {d: torch.export.Dim.DYNAMIC for d, size in enumerate(a.shape) if _is_symbolic(size)}
         dynamic.append(dyn or None)
         name = f"arg{src[1]}"
         input_names.append(name)
@@ -351,7 +357,7 @@ def _symbol_hints(example_args: Sequence[Any]) -> dict[sympy.Symbol, torch.SymIn
 
 
 def _concrete(size: Any, values: dict[sympy.Symbol, int]) -> int:
-    if isinstance(size, torch.SymInt):
+    if _is_symbolic(size):
         expr = size.node.expr
         if not expr.free_symbols <= set(values):
             raise LoweringError(f"size {expr} uses a symbol that no input dimension carries")
@@ -360,9 +366,9 @@ def _concrete(size: Any, values: dict[sympy.Symbol, int]) -> int:
 
 
 def _dim(canon: _Canon, size: Any) -> int | str:
-    if isinstance(size, torch.SymInt):
+    if _is_symbolic(size):
         return canon.expr(size.node.expr)
-    return int(size)
+    return _hint(size)
 
 
 # --- export --------------------------------------------------------------------------------

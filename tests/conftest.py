@@ -10,10 +10,15 @@ import qaic_dynamo  # noqa: F401  (registers torch.ops.qaic)
 
 @pytest.fixture(autouse=True)
 def _reset_dynamo():
-    """Every test starts from a clean Dynamo state: no cached frames, no guards."""
+    """Every test starts from a clean Dynamo state (no cached frames, no guards) and an
+    empty in-process artifact cache, so compilation counts do not depend on test order."""
+    from qaic_dynamo.cache import artifact_cache
+
     torch._dynamo.reset()
+    artifact_cache.clear_memory()
     yield
     torch._dynamo.reset()
+    artifact_cache.clear_memory()
 
 
 def ref_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):

@@ -9,8 +9,10 @@ from qaic_dynamo import build_attention_metadata, set_forward_context
 
 
 class Driver:
-    def __init__(self, model, prompts, block_size=16, max_len=64, dtype=torch.float32, pad_to=None):
+    def __init__(self, model, prompts, block_size=16, max_len=64, dtype=torch.float32, pad_to=None,
+                 dynamic=True):
         self.model, self.prompts, self.block_size, self.pad_to = model, prompts, block_size, pad_to
+        self.dynamic = dynamic  # mark the token dim dynamic: compile once for every count
         blocks = -(-max_len // block_size)
         self.tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(len(prompts))]
         shape = model.kv_cache_shape(blocks * len(prompts), block_size)
@@ -28,6 +30,9 @@ class Driver:
         if num > ids.numel():  # pad rows: slot -1, they must change nothing
             ids = torch.cat([ids, ids.new_zeros(num - ids.numel())])
             pos = torch.cat([pos, pos.new_zeros(num - pos.numel())])
+        if self.dynamic:
+            torch._dynamo.mark_dynamic(ids, 0)
+            torch._dynamo.mark_dynamic(pos, 0)
         md = build_attention_metadata(self.seq_lens, q_lens, self.tables, self.block_size, num_tokens=num)
         with set_forward_context(md, self.caches, self.model.kv_cache_layers):
             logits = fn(ids, pos)

@@ -1,0 +1,330 @@
+"""backend="qaic": piecewise split, structural reuse, ONNX lowering, ONNX Runtime execution."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from expecttest import TestCase
+
+import qaic_dynamo
+from qaic_dynamo.backend import last_compile_report
+from qaic_dynamo.config import CompilationConfig, ConfigError
+from qaic_dynamo.counter import compilation_counter
+from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM
+from qaic_dynamo.partition import readable_split, split_graph
+
+from harness import Driver
+
+PROMPTS = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38, 46, 26, 43, 38]]  # batched, variable length
+
+
+def llama(layers, agnostic=True, seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = QaicLlamaConfig(num_hidden_layers=layers, layer_agnostic_kv_update=agnostic, **kw)
+    return QaicLlamaForCausalLM(cfg).eval()
+
+
+def compare(model, steps=8, **driver_kw):
+    """Prefill then `steps` greedy decode steps, eager and compiled; returns the max diff."""
+    with torch.no_grad():
+        ref = Driver(model, PROMPTS, **driver_kw).generate(model, steps)
+        out = Driver(model, PROMPTS, **driver_kw).generate(torch.compile(model, backend="qaic"), steps)
+    assert [r.argmax(-1).tolist() for r in ref] == [o.argmax(-1).tolist() for o in out]
+    return max((r - o).abs().max().item() for r, o in zip(ref, out))
+
+
+# --- acceptance: depth --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("L", [2, 4, 12])
+def test_depth_compiles_three_unique_pieces(L):
+    model = llama(L)
+    with compilation_counter.expect(
+        num_graphs_seen=1,
+        num_piecewise_graphs_seen=2 * L + 1,  # L attention splits between L + 1 pieces
+        num_piecewise_compilable_graphs_seen=L + 1,
+        num_backend_compilations=3,  # first, middle, last
+        num_piece_reuses=L - 2,  # the other middle pieces
+        num_onnx_exports=3,
+        num_eager_fallbacks=0,
+    ):
+        diff = compare(model)
+    assert diff < 1e-4
+
+
+@pytest.mark.parametrize("L", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_per_layer_names_compile_every_layer(L):
+    model = llama(L, agnostic=False)
+    with compilation_counter.expect(
+        num_graphs_seen=1,
+        num_piecewise_compilable_graphs_seen=L + 1,
+        num_backend_compilations=L + 1,  # each piece bakes in its layer's name
+        num_piece_reuses=0,
+    ):
+        diff = compare(model, steps=2)
+    assert diff < 1e-4
+
+
+def test_varying_token_counts_after_warm_up_add_no_compilations():
+    model = llama(2)
+    driver = Driver(model, PROMPTS, pad_to=None)
+    compiled = torch.compile(model, backend="qaic")
+    with torch.no_grad():
+        driver.step(compiled, PROMPTS)  # warm-up: 15 tokens
+        with compilation_counter.expect(num_graphs_seen=0, num_backend_compilations=0, num_onnx_exports=0):
+            driver.step(compiled, [[1], [2], [3]])  # 3 tokens
+            driver.step(compiled, [[4, 5, 6, 7], [8], [9, 10]])  # 7 tokens: a chunked prefill
+            driver.step(compiled, [[11], [12], [13]])
+
+
+def test_padding_rows_write_nothing():
+    """Padded tokens (slot -1) must not touch the cache, in ONNX as in eager."""
+    model = llama(2)
+    assert compare(model, steps=3, pad_to=24) < 1e-4
+
+
+def test_cache_is_updated_in_place():
+    model = llama(2)
+    eager, compiled = Driver(model, PROMPTS), Driver(model, PROMPTS)
+    ptrs = {n: (k.data_ptr(), v.data_ptr()) for n, (k, v) in compiled.caches.items()}
+    with torch.no_grad():
+        eager.step(model, PROMPTS)
+        compiled.step(torch.compile(model, backend="qaic"), PROMPTS)
+    for name in compiled.caches:
+        assert (compiled.caches[name][0].data_ptr(), compiled.caches[name][1].data_ptr()) == ptrs[name]
+        torch.testing.assert_close(compiled.caches[name][0], eager.caches[name][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(compiled.caches[name][1], eager.caches[name][1], atol=1e-5, rtol=1e-5)
+        assert compiled.caches[name][0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dtypes(dtype):
+    model = llama(2).to(dtype)
+    with compilation_counter.expect(num_backend_compilations=3, num_eager_fallbacks=0):
+        diff = compare(model, steps=2, dtype=dtype)
+    assert diff < (1e-4 if dtype == torch.float32 else 5e-2)
+
+
+# --- lowered artifacts --------------------------------------------------------------------
+
+
+def test_artifacts_use_retained_state_and_pass_the_checker(tmp_path):
+    model = llama(2)
+    with torch.no_grad():
+        Driver(model, PROMPTS).step(torch.compile(model, backend="qaic", options={"dump_dir": str(tmp_path)}), PROMPTS)
+    report = last_compile_report()
+    compiled = [p for p in report.pieces if p.kind == "compiled"]
+    assert len(compiled) == 3
+    for piece in compiled:
+        m = onnx.load(str(Path(piece.artifact) / "model.onnx"))
+        onnx.checker.check_model(m, full_check=True)
+        ins, outs = [i.name for i in m.graph.input], [o.name for o in m.graph.output]
+        if piece.index < 4:  # first and middle pieces hold a layer's cache update
+            assert ins[-3:] == ["past_key", "past_value", "slot_mapping"]
+            assert outs[-2:] == ["past_key_RetainedState", "past_value_RetainedState"]
+            assert [(f.domain, f.name) for f in m.functions] == [("com.qualcomm.cloud", "KVCacheScatter")]
+            assert {"domain": "com.qualcomm.cloud", "version": 1} in [
+                {"domain": o.domain, "version": o.version} for o in m.opset_import]
+        else:  # the last piece: final norm and lm_head, no cache
+            assert not any("past" in n for n in ins + outs)
+    graph_dir = tmp_path / f"graph{report.graph_index}"
+    dumped = sorted(p.name for p in graph_dir.iterdir())
+    assert sum(n.endswith(".onnx") for n in dumped) == 3 and sum(n.endswith(".py") for n in dumped) == 5
+    summary = json.loads((graph_dir / "summary.json").read_text())
+    assert [p["kind"] for p in summary["pieces"]] == ["compiled", "splitting", "compiled", "splitting", "compiled"]
+
+
+def test_report_is_logged_and_inspectable(caplog):
+    model = llama(4)
+    with caplog.at_level(logging.INFO, logger="qaic_dynamo"), torch.no_grad():
+        Driver(model, PROMPTS).step(torch.compile(model, backend="qaic"), PROMPTS)
+    report = last_compile_report()
+    kinds = [(p.kind, p.reused) for p in report.pieces]
+    assert kinds == [("compiled", False), ("splitting", None), ("compiled", False), ("splitting", None),
+                     ("compiled", True), ("splitting", None), ("compiled", True), ("splitting", None),
+                     ("compiled", False)]
+    middle = [p.key for p in report.pieces if p.index in (2, 4, 6)]
+    assert len(set(middle)) == 1, "the middle layers share one fingerprint"
+    assert report.pieces[1].reason == "splitting op qaic::unified_attention (node o)"
+    assert "qaic graph" in caplog.text and "3 compiled, 2 reused" in caplog.text
+
+
+# --- plain PyTorch models split at SDPA ---------------------------------------------------
+
+
+class PlainBlock(nn.Module):
+    def __init__(self, d=64, h=4):
+        super().__init__()
+        self.h = h
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class PlainTransformer(nn.Module):
+    def __init__(self, layers, vocab=100, d=64):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(PlainBlock(d) for _ in range(layers))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("L", [4, 8])
+def test_plain_transformer_split_at_sdpa(L):
+    torch.manual_seed(0)
+    model = PlainTransformer(L).eval()
+    ids = torch.randint(0, 100, (2, 9))
+    compiled = torch.compile(model, backend="qaic", options={"splitting_ops": ["aten::scaled_dot_product_attention"]})
+    with compilation_counter.expect(num_piecewise_graphs_seen=2 * L + 1, num_backend_compilations=3,
+                                    num_eager_fallbacks=0), torch.no_grad():
+        out = compiled(ids)
+    torch.testing.assert_close(out, model(ids), atol=1e-4, rtol=1e-4)
+
+
+def test_no_splitting_ops_is_one_piece():
+    torch.manual_seed(0)
+    model = PlainTransformer(2).eval()
+    ids = torch.randint(0, 100, (2, 9))
+    with compilation_counter.expect(num_piecewise_graphs_seen=1, num_backend_compilations=1), torch.no_grad():
+        out = torch.compile(model, backend="qaic", options={"splitting_ops": []})(ids)
+    torch.testing.assert_close(out, model(ids), atol=1e-4, rtol=1e-4)
+
+
+# --- fallback -----------------------------------------------------------------------------
+
+
+@torch.library.custom_op("qaic_test::opaque_gelu", mutates_args=())
+def opaque_gelu(x: torch.Tensor) -> torch.Tensor:
+    """An op with no ONNX translation: the exporter cannot lower it."""
+    return F.gelu(x)
+
+
+@opaque_gelu.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class WithOpaqueOp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.b(opaque_gelu(self.a(x)))
+
+
+def test_unlowerable_piece_falls_back_and_stays_correct():
+    torch.manual_seed(0)
+    model, x = WithOpaqueOp().eval(), torch.randn(4, 16)
+    with compilation_counter.expect(num_eager_fallbacks=1, num_backend_compilations=0), \
+            pytest.warns(RuntimeWarning, match="runs eagerly: the ONNX exporter failed"), torch.no_grad():
+        out = torch.compile(model, backend="qaic")(x)
+    torch.testing.assert_close(out, model(x))
+    assert last_compile_report().pieces[0].kind == "eager"
+    assert "qaic_test.opaque_gelu" in last_compile_report().pieces[0].fallback
+
+
+def test_fallback_error_raises():
+    model, x = WithOpaqueOp().eval(), torch.randn(4, 16)
+    with pytest.raises(Exception, match="the ONNX exporter failed.*options=\\{'fallback': 'eager'\\}"):
+        torch.compile(model, backend="qaic", options={"fallback": "error"})(x)
+
+
+# --- configuration and entry point ----------------------------------------------------------
+
+
+def test_unknown_option_lists_valid_keys():
+    with pytest.raises(ConfigError, match=r"unknown qaic option\(s\) \['splitting_op'\]; valid options are: splitting_ops, runtime"):
+        CompilationConfig.from_options({"splitting_op": []})
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"runtime": "tensorrt"}, "'runtime' must be one of ['onnxruntime', 'qaic']"),
+    ({"fallback": "ignore"}, "'fallback' must be one of ['eager', 'error']"),
+    ({"opset": 11}, "'opset' must be one of [18, 19, 20, 21, 22, 23]"),
+    ({"splitting_ops": ["qaic::no_such_op"]}, "'qaic::no_such_op' is not a registered op"),
+    ({"splitting_ops": "qaic::unified_attention"}, "must be a list of op names"),
+    ({"num_threads": 0}, "'num_threads' must be a positive int"),
+])
+def test_bad_option_values(options, message):
+    with pytest.raises(ConfigError) as e:
+        CompilationConfig.from_options(options)
+    assert message in str(e.value)
+
+
+def test_config_hash_covers_artifact_fields_only(monkeypatch):
+    base = CompilationConfig()
+    assert base.compute_hash() != base.replace(opset=19).compute_hash()
+    assert base.compute_hash() != base.replace(runtime="qaic").compute_hash()
+    assert base.compute_hash() == base.replace(dump_dir="/tmp/x", fallback="error").compute_hash()
+    monkeypatch.setenv("QAIC_DYNAMO_DUMP_DIR", "/tmp/from-env")
+    assert CompilationConfig.from_options({}).dump_dir == "/tmp/from-env"
+    assert CompilationConfig.from_options({"dump_dir": "/tmp/explicit"}).dump_dir == "/tmp/explicit"
+
+
+def test_every_config_field_is_documented():
+    for line in CompilationConfig.describe().splitlines():
+        assert line.split(": ", 1)[1].strip(), line
+
+
+def test_backend_is_found_without_importing_the_package():
+    code = textwrap.dedent("""
+        import sys, torch
+        assert "qaic" in torch._dynamo.list_backends(), torch._dynamo.list_backends()
+        assert "qaic_dynamo" not in sys.modules
+        f = torch.compile(lambda x: torch.sin(x) * 2, backend="qaic")
+        x = torch.randn(5)
+        torch.testing.assert_close(f(x), torch.sin(x) * 2)
+        from qaic_dynamo import compilation_counter
+        assert compilation_counter.num_backend_compilations == 1, compilation_counter
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+# --- snapshot of the split ------------------------------------------------------------------
+
+
+class SplitSnapshot(TestCase):
+    def test_readable_split_L2(self):
+        torch._dynamo.reset()
+        graphs = []
+
+        def capture(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        model = llama(2)
+        with torch.no_grad():
+            Driver(model, PROMPTS).step(torch.compile(model, backend=capture), PROMPTS)
+        split = split_graph(graphs[0], CompilationConfig().splitting_ops)
+        self.assertExpectedInline(readable_split(split, lambda p: f"<- {p.reason}"), """\
+submod_0 [piece] aten::embedding .unsqueeze .to mul aten::cat .cos .to .unsqueeze .sin .to .unsqueeze aten::rms_norm aten::linear .split getitem getitem getitem .view .view .view mul .chunk getitem getitem neg aten::cat mul add mul .chunk getitem getitem neg aten::cat mul add qaic::unified_kv_cache_update  <- start of graph
+submod_1 [split] qaic::unified_attention  <- splitting op qaic::unified_attention (node o)
+submod_2 [piece] .reshape aten::linear add aten::rms_norm aten::linear .chunk getitem getitem aten::silu mul aten::linear add aten::rms_norm aten::linear .split getitem getitem getitem .view .view .view mul .chunk getitem getitem neg aten::cat mul add mul .chunk getitem getitem neg aten::cat mul add qaic::unified_kv_cache_update  <- after splitting op qaic::unified_attention (node o)
+submod_3 [split] qaic::unified_attention  <- splitting op qaic::unified_attention (node o_1)
+submod_4 [piece] .reshape aten::linear add aten::rms_norm aten::linear .chunk getitem getitem aten::silu mul aten::linear add aten::rms_norm aten::linear  <- after splitting op qaic::unified_attention (node o_1)""")

@@ -1,0 +1,129 @@
+"""The structural key: never shared by pieces that could compute different results."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qaic_dynamo import AttentionMetadata, ops, set_forward_context
+from qaic_dynamo.fingerprint import fingerprint, library_versions
+
+
+def key_of(fn, *args, config_hash="cfg", dynamic=False):
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    caches = (torch.zeros(2, 2, 4, 4), torch.zeros(2, 2, 4, 4))  # for the KV-update samples
+    layers = {f"model.layers.{i}.self_attn": caches for i in range(2)}
+    with set_forward_context(AttentionMetadata(torch.arange(3)), layers):
+        torch.compile(fn, backend=capture, dynamic=dynamic, fullgraph=True)(*args)
+    (gm,) = graphs
+    values = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+    return fingerprint(gm, values, config_hash)
+
+
+X, W = torch.randn(4, 8), torch.randn(8)
+
+
+def norm_eps5(x, w):
+    return torch.rms_norm(x, (8,), w, 1e-5)
+
+
+def norm_eps6(x, w):
+    return torch.rms_norm(x, (8,), w, 1e-6)
+
+
+def norm_eps5_renamed(hidden_states, weight):
+    out = torch.rms_norm(hidden_states, (8,), weight, 1e-5)
+    return out
+
+
+def act_silu(x, w):
+    return F.silu(x * w)
+
+
+def act_gelu(x, w):
+    return F.gelu(x * w)
+
+
+def const_a(x, w):
+    return x * w + torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
+
+
+def const_b(x, w):
+    return x * w + torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 9.0])
+
+
+def kv_layer0(k, v):
+    return ops.unified_kv_cache_update(k, v, "model.layers.0.self_attn")
+
+
+def kv_layer1(k, v):
+    return ops.unified_kv_cache_update(k, v, "model.layers.1.self_attn")
+
+
+def kv_agnostic(k, v):
+    return ops.unified_kv_cache_update(k, v, "from_forward_context")
+
+
+KV = (torch.randn(3, 2, 4), torch.randn(3, 2, 4))
+
+
+@pytest.mark.parametrize(
+    "a, b, args",
+    [
+        (norm_eps5, norm_eps6, (X, W)),  # an RMSNorm eps
+        (act_silu, act_gelu, (X, W)),  # an activation
+        (const_a, const_b, (X, W)),  # a constant tensor (one element differs)
+        (kv_layer0, kv_layer1, KV),  # a layer-name string
+        (kv_layer0, kv_agnostic, KV),
+    ],
+    ids=["eps", "activation", "constant-tensor", "layer-name", "name-vs-magic"],
+)
+def test_pieces_that_differ_never_share_a_key(a, b, args):
+    assert key_of(a, *args).key != key_of(b, *args).key
+
+
+def test_names_do_not_matter():
+    assert key_of(norm_eps5, X, W).key == key_of(norm_eps5_renamed, X, W).key
+
+
+def test_inputs_metadata_matters_but_values_do_not():
+    base = key_of(norm_eps5, X, W).key
+    assert key_of(norm_eps5, torch.randn(4, 8), torch.randn(8)).key == base  # other values
+    assert key_of(norm_eps5, X.double(), W.double()).key != base  # dtype
+    assert key_of(norm_eps5, torch.randn(5, 8), W).key != base  # static shape
+    assert key_of(norm_eps5, X.t().contiguous().t(), W).key != base  # stride
+
+
+def test_symbolic_shapes_are_named_canonically():
+    a = key_of(norm_eps5, torch.randn(6, 8), W, dynamic=True)
+    b = key_of(norm_eps5, torch.randn(9, 8), W, dynamic=True)
+    assert a.key == b.key
+    tensor_inputs = [i for i in a.inputs["inputs"] if "tensor" in i]
+    assert tensor_inputs[0]["shape"] == [{"sym": "S0"}, 8]
+
+
+def test_config_hash_and_versions_are_in_the_key():
+    a, b = key_of(norm_eps5, X, W, config_hash="A"), key_of(norm_eps5, X, W, config_hash="B")
+    assert a.key != b.key
+    assert a.inputs["versions"] == library_versions()
+    assert set(library_versions()) == {"torch", "onnx", "onnxscript", "onnxruntime", "qaic_dynamo"}
+
+
+def test_edited_user_function_changes_the_key():
+    @torch._dynamo.allow_in_graph
+    def scale_v1(x):
+        return x * 2
+
+    @torch._dynamo.allow_in_graph
+    def scale_v2(x):
+        return x * 3
+
+    scale_v2.__qualname__ = scale_v1.__qualname__  # same name, different code constant
+    assert key_of(lambda x: scale_v1(x) + 1, X).key != key_of(lambda x: scale_v2(x) + 1, X).key
