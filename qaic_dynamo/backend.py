@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,7 +38,7 @@ from qaic_dynamo.counter import compilation_counter
 from qaic_dynamo.fingerprint import fingerprint
 from qaic_dynamo.lowering import ONNX_FILE, LoweringError, lower_piece
 from qaic_dynamo.partition import Piece, split_graph
-from qaic_dynamo.runtime import PieceRunner, load, warn_fallback
+from qaic_dynamo.runtime import QAIC_COMPILE, PieceRunner, load, qaic_compile, qaic_sdk_available, warn_fallback
 
 __all__ = ["GraphReport", "PieceReport", "QaicBackend", "compile_reports", "last_compile_report", "qaic_backend"]
 
@@ -65,6 +66,12 @@ class GraphReport:
     config_hash: str
     pieces: list[PieceReport] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+    # The split graph this report describes (weak: a report must not keep sessions alive).
+    _module: Any = field(default=None, repr=False, compare=False)
+
+    def split_module(self) -> fx.GraphModule | None:
+        """The split GraphModule (runners in place of compiled pieces), while it is alive."""
+        return self._module() if self._module is not None else None
 
     @property
     def unique_compiled(self) -> int:
@@ -89,7 +96,7 @@ class GraphReport:
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
 
 
 _reports: list[GraphReport] = []
@@ -141,6 +148,11 @@ class QaicBackend:
     """Compile one Dynamo graph; holds the config. Instances are cheap."""
 
     def __init__(self, config: CompilationConfig) -> None:
+        if config.runtime == "qaic" and not qaic_sdk_available():
+            raise ConfigError(
+                f"runtime='qaic' needs the Qualcomm Cloud AI SDK, but {QAIC_COMPILE} is not installed; "
+                "install the SDK, or use runtime='onnxruntime' (the default)"
+            )
         self.config = config
         self.config_hash = config.compute_hash()
 
@@ -177,6 +189,7 @@ class QaicBackend:
         report.seconds["fingerprint"] = fingerprint_s
         report.seconds["lower+load"] = lowering_s
         report.seconds["total"] = time.perf_counter() - t_start
+        report._module = weakref.ref(split.graph_module)
         logger.info("%s", report.table())
         if self.config.dump_dir:
             self._dump(report, split.pieces)
@@ -205,6 +218,8 @@ class QaicBackend:
                 t1 = time.perf_counter()
                 lower_piece(piece.graph_module, args, fake_mode, self.config, out_dir)
                 t2 = time.perf_counter()
+                if self.config.runtime == "qaic":
+                    qaic_compile(out_dir, out_dir / "qpc")
                 artifact = load(out_dir, self.config)
                 entry.export_seconds, entry.load_seconds = t2 - t1, time.perf_counter() - t2
                 artifact_cache.store(fp.key, artifact)

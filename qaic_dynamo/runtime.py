@@ -13,8 +13,10 @@ cache is bound as both the ``past_key`` input and the ``past_key_RetainedState``
 so the scatter updates it in place and a decode step costs the same whatever the cache
 capacity.
 
-Where the Qualcomm SDK is installed, :func:`qaic_compile_command` builds the
-``qaic-compile`` invocation for an artifact (``runtime="qaic"``).
+With ``runtime="qaic"`` each new artifact is also compiled with ``qaic-compile`` into
+``<artifact>/qpc`` (QEfficient's flags). Running a QPC on a card needs the QAIC runtime,
+which this package does not drive yet, so pieces still execute on ONNX Runtime on the
+host; without the SDK, ``runtime="qaic"`` is refused up front with a clear error.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import onnx
 import onnxruntime as ort
 import sympy
 import torch
@@ -42,20 +44,33 @@ from qaic_dynamo.config import CompilationConfig
 from qaic_dynamo.counter import compilation_counter
 from qaic_dynamo.lowering import LAYOUT_FILE, ONNX_FILE, LoweringError, PieceLayout
 
-__all__ = ["Artifact", "PieceRunner", "load", "QAIC_COMPILE", "qaic_compile_command", "warn_fallback"]
+__all__ = [
+    "Artifact",
+    "PieceRunner",
+    "QAIC_COMPILE",
+    "load",
+    "qaic_compile",
+    "qaic_compile_command",
+    "qaic_sdk_available",
+    "warn_fallback",
+]
 
 logger = logging.getLogger("qaic_dynamo")
 
 QAIC_COMPILE = Path("/opt/qti-aic/exec/qaic-compile")
 
-_NUMPY = {
-    torch.float32: np.float32,
-    torch.float16: np.float16,
-    torch.float64: np.float64,
-    torch.int64: np.int64,
-    torch.int32: np.int32,
-    torch.bool: np.bool_,
+#: torch dtype -> ONNX TensorProto element type, as IOBinding takes it (an integer type
+#: also covers bfloat16, which numpy has no dtype for).
+_ONNX_TYPES = {
+    torch.float32: onnx.TensorProto.FLOAT,
+    torch.float16: onnx.TensorProto.FLOAT16,
+    torch.bfloat16: onnx.TensorProto.BFLOAT16,
+    torch.float64: onnx.TensorProto.DOUBLE,
+    torch.int64: onnx.TensorProto.INT64,
+    torch.int32: onnx.TensorProto.INT32,
+    torch.bool: onnx.TensorProto.BOOL,
 }
+_CPU = ort.OrtDevice.make("cpu", 0)._get_c_device()
 _SYMPY_LOCALS = {name: getattr(sympy_functions, name) for name in dir(sympy_functions) if not name.startswith("_")}
 
 _warned: set[str] = set()
@@ -113,10 +128,9 @@ def load(path: Path, config: CompilationConfig) -> Artifact:
     dtypes = []
     for o in layout.outputs:
         dtype = getattr(torch, o["dtype"])
-        if dtype not in _NUMPY:
+        if dtype not in _ONNX_TYPES:
             raise LoweringError(
-                f"output {o['name']} is {dtype}; ONNX Runtime's IOBinding can only bind "
-                f"{sorted(str(d) for d in _NUMPY)} without a copy"
+                f"output {o['name']} is {dtype}; the runtime binds {sorted(str(d) for d in _ONNX_TYPES)}"
             )
         dtypes.append(dtype)
     opts = ort.SessionOptions()
@@ -136,7 +150,12 @@ def load(path: Path, config: CompilationConfig) -> Artifact:
 
 
 class PieceRunner(torch.nn.Module):
-    """One call site of an artifact; falls back to the eager piece if a run fails."""
+    """One call site of an artifact; falls back to the eager piece if a run fails.
+
+    The per-call path is kept lean because it runs once per layer per step: bindings are
+    compared with what is already bound and only changed ones are re-bound (weights and
+    the layer's caches stay bound), and the C-level IOBinding is called directly.
+    """
 
     def __init__(self, artifact: Artifact, eager: fx.GraphModule, config: CompilationConfig, label: str) -> None:
         super().__init__()
@@ -146,18 +165,30 @@ class PieceRunner(torch.nn.Module):
         self.label = label
         self.use_eager = False
         self._io = artifact.session.io_binding()
+        # The wrapper's bind_* build a device object per call; this is the same binding.
+        self._c_io = self._io._iobinding
         self._bound: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}
         layout = artifact.layout
-        self._spec = pytree.treespec_loads(layout.out_spec)
         self._updates = [(u["layer_name"], u["op"]) for u in layout.kv_updates]
         self._needs_symbols = artifact.needs_symbols
+        self._inputs = [(spec["name"], spec["source"]) for spec in layout.inputs]
+        self._outputs = [
+            (spec["name"], spec["target"], shape_fn, dtype)
+            for spec, shape_fn, dtype in zip(layout.outputs, artifact.output_shapes, artifact.output_dtypes)
+        ]
+        spec = pytree.treespec_loads(layout.out_spec)
+        self._spec = spec
+        self._flat_tuple = spec.type is tuple and all(c.is_leaf() for c in spec.children())
+        self._dep = {leaf[1]: torch.empty(0, dtype=getattr(torch, leaf[1])) for leaf in layout.leaves if leaf[0] == "dep"}
 
-    def _bind_input(self, name: str, t: torch.Tensor) -> None:
-        sig = (t.data_ptr(), tuple(t.shape), t.dtype)
+    def _bind(self, name: str, t: torch.Tensor, output: bool = False) -> None:
+        sig = (t.data_ptr(), t.shape, t.dtype, output)
         if self._bound.get(name) != sig:
-            if t.dtype not in _NUMPY:
-                raise LoweringError(f"input {name} is {t.dtype}, which IOBinding cannot bind")
-            self._io.bind_input(name, "cpu", 0, _NUMPY[t.dtype], list(t.shape), t.data_ptr())
+            dtype = _ONNX_TYPES.get(t.dtype)
+            if dtype is None:
+                raise LoweringError(f"{name} is {t.dtype}, which the runtime cannot bind")
+            bind = self._c_io.bind_output if output else self._c_io.bind_input
+            bind(name, _CPU, dtype, list(t.shape), t.data_ptr())
             self._bound[name] = sig
 
     def _symbols(self, args: Sequence[Any]) -> dict[str, int]:
@@ -178,58 +209,55 @@ class PieceRunner(torch.nn.Module):
                 raise
             if ctx is not None:  # nothing was written; let the eager ops resolve again
                 ctx.rewind_kv_cache_layer_index(start)
+            # If eager fails too, the inputs were bad: report that, stay compiled.
+            out = self.eager(*args)
             self.use_eager = True
             warn_fallback(self.label, f"ONNX Runtime failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            return self.eager(*args)
+            return out
 
     def _run(self, args: Sequence[Any], ctx: Any) -> Any:
-        art = self.artifact
-        layout = art.layout
-        keep: list[torch.Tensor] = []  # tensors made here must outlive the run
-        caches = []
-        for layer_name, op in self._updates:
-            caches.append(ctx.resolve_for_update(layer_name, op)[1])
-        for spec in layout.inputs:
-            src = spec["source"]
-            if src[0] == "arg":
+        keep: list[torch.Tensor] = []  # contiguous copies must outlive the run
+        caches = [ctx.resolve_for_update(name, op)[1] for name, op in self._updates]
+        for name, src in self._inputs:
+            kind = src[0]
+            if kind == "arg":
                 t = args[src[1]]
                 if not t.is_contiguous():
                     t = t.contiguous()
                     keep.append(t)
-            elif src[0] == "cache":
+            elif kind == "cache":
                 t = caches[src[1]][src[2]]
             else:
                 t = ctx.attn_metadata.slot_mapping_i64
-            self._bind_input(spec["name"], t)
+            self._bind(name, t)
 
-        sym = self._symbols(args) if self._needs_symbols else {}
+        sym = self._symbols(args) if self._needs_symbols else None
         outs: list[torch.Tensor | None] = []
-        for spec, shape_fn, dtype in zip(layout.outputs, art.output_shapes, art.output_dtypes):
-            target = spec["target"]
-            if target[0] == "cache":
-                t = caches[target[1]][target[2]]
+        for name, target, shape_fn, dtype in self._outputs:
+            if target[0] == "cache":  # in place: the retained-state output is the cache
+                self._bind(name, caches[target[1]][target[2]], output=True)
                 outs.append(None)
             else:
                 t = torch.empty(shape_fn(sym), dtype=dtype)
+                self._bind(name, t, output=True)
                 outs.append(t)
-            self._io.bind_output(spec["name"], "cpu", 0, _NUMPY[dtype], list(t.shape), t.data_ptr())
-        art.session.run_with_iobinding(self._io)
+        self.artifact.session._sess.run_with_iobinding(self._c_io, None)
 
         leaves = []
-        for leaf in layout.leaves:
+        for leaf in self.artifact.layout.leaves:
             kind = leaf[0]
             if kind == "onnx":
                 leaves.append(outs[leaf[1]])
             elif kind == "arg":
                 leaves.append(args[leaf[1]])
             elif kind == "dep":
-                leaves.append(torch.empty(0, dtype=getattr(torch, leaf[1])))
+                leaves.append(self._dep[leaf[1]])
             elif kind == "sym":
                 leaves.append(int(sympy.sympify(leaf[1], locals=_SYMPY_LOCALS).xreplace(
                     {sympy.Symbol(k, integer=True): v for k, v in sym.items()})))
             else:
                 leaves.append(leaf[1])
-        return pytree.tree_unflatten(leaves, self._spec)
+        return tuple(leaves) if self._flat_tuple else pytree.tree_unflatten(leaves, self._spec)
 
 
 def qaic_compile_command(
@@ -262,9 +290,13 @@ def qaic_compile_command(
     return cmd
 
 
+def qaic_sdk_available() -> bool:
+    return (QAIC_COMPILE.exists() and os.access(QAIC_COMPILE, os.X_OK)) or shutil.which("qaic-compile") is not None
+
+
 def qaic_compile(artifact_dir: Path, out_dir: Path, **kwargs: Any) -> Path:
-    """Compile an artifact with the Qualcomm SDK; a clear error where it is not installed."""
-    if not (QAIC_COMPILE.exists() and os.access(QAIC_COMPILE, os.X_OK)) and not shutil.which("qaic-compile"):
+    """Compile an artifact with the Qualcomm SDK into ``out_dir`` (a QPC directory)."""
+    if not qaic_sdk_available():
         raise LoweringError(
             f"runtime='qaic' needs the Qualcomm Cloud AI SDK ({QAIC_COMPILE} not found); "
             "install it, or use runtime='onnxruntime'"

@@ -285,6 +285,30 @@ def test_config_hash_covers_artifact_fields_only(monkeypatch):
     assert CompilationConfig.from_options({"dump_dir": "/tmp/explicit"}).dump_dir == "/tmp/explicit"
 
 
+def test_runtime_qaic_without_the_sdk_is_a_clear_error():
+    from qaic_dynamo.backend import QaicBackend
+    from qaic_dynamo.runtime import qaic_sdk_available
+
+    if qaic_sdk_available():
+        pytest.skip("the Qualcomm SDK is installed here")
+    with pytest.raises(ConfigError, match="runtime='qaic' needs the Qualcomm Cloud AI SDK.*runtime='onnxruntime'"):
+        QaicBackend(CompilationConfig(runtime="qaic"))
+
+
+def test_qaic_compile_command_follows_qefficient():
+    from qaic_dynamo.runtime import qaic_compile_command
+
+    cmd = qaic_compile_command(Path("/a"), Path("/a/qpc"), num_cores=14, custom_io=Path("/a/custom_io.yaml"),
+                               specializations=Path("/a/specializations.json"),
+                               extra={"mxfp6_matmul": True, "mos": 1, "aic_enable_depth_first": False})
+    assert cmd == [
+        "/opt/qti-aic/exec/qaic-compile", "-aic-hw", "-aic-hw-version=2.0", "-m=/a/model.onnx", "-retained-state",
+        "-convert-to-fp16", "-aic-num-cores=14", "-custom-IO-list-file=/a/custom_io.yaml",
+        "-network-specialization-config=/a/specializations.json", "-mxfp6-matmul", "-mos=1",
+        "-aic-binary-dir=/a/qpc",
+    ]
+
+
 def test_every_config_field_is_documented():
     for line in CompilationConfig.describe().splitlines():
         assert line.split(": ", 1)[1].strip(), line

@@ -28,3 +28,12 @@ def test_kv_cache_update_benchmark_smoke(tmp_path):
     assert [r["capacity"] for r in result["capacity"]] == ["1x", "16x", "256x"]
     assert "target >= 50% of copy_ bandwidth" in out
     assert (tmp_path / "kv_cache_update_quick.md").read_text().startswith("### reshape_and_cache")
+
+
+def test_backend_stages_benchmark_smoke(tmp_path):
+    out = run_benchmark("backend_stages.py", tmp_path)
+    result = json.loads((tmp_path / "backend_stages_quick.json").read_text())
+    assert len(result["unique_pieces"]) == 3
+    assert set(result["decode_step_ms"]) == {"1x", "8x"}
+    assert result["stages"]["backend total"] > 0 and 0 <= result["fingerprint_reuse_share"] < 1
+    assert "fingerprint + reuse =" in out and "decode 8x / 1x capacity" in out
