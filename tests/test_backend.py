@@ -352,3 +352,52 @@ submod_1 [split] qaic::unified_attention  <- splitting op qaic::unified_attentio
 submod_2 [piece] .reshape aten::linear add aten::rms_norm aten::linear .chunk getitem getitem aten::silu mul aten::linear add aten::rms_norm aten::linear .split getitem getitem getitem .view .view .view mul .chunk getitem getitem neg aten::cat mul add mul .chunk getitem getitem neg aten::cat mul add qaic::unified_kv_cache_update  <- after splitting op qaic::unified_attention (node o)
 submod_3 [split] qaic::unified_attention  <- splitting op qaic::unified_attention (node o_1)
 submod_4 [piece] .reshape aten::linear add aten::rms_norm aten::linear .chunk getitem getitem aten::silu mul aten::linear add aten::rms_norm aten::linear  <- after splitting op qaic::unified_attention (node o_1)""")
+
+
+# --- MLA cache updates lower to compressed_kv / k_pe retained state -------------------------
+
+
+class TinyMLA(nn.Module):
+    """Two absorbed-MLA layers: latent (16) + rope (8) caches shared by 4 heads."""
+
+    def __init__(self, d=32, heads=4, rank=16, rope=8, layers=2):
+        super().__init__()
+        self.heads, self.rank, self.rope = heads, rank, rope
+        self.kv_a = nn.ModuleList(nn.Linear(d, rank + rope, bias=False) for _ in range(layers))
+        self.q = nn.ModuleList(nn.Linear(d, heads * (rank + rope), bias=False) for _ in range(layers))
+        self.o = nn.ModuleList(nn.Linear(heads * rank, d, bias=False) for _ in range(layers))
+
+    def forward(self, x):
+        for i in range(len(self.q)):
+            ckv, kpe = self.kv_a[i](x).split([self.rank, self.rope], -1)
+            dep = torch.ops.qaic.unified_mla_kv_cache_update(ckv, kpe, "from_forward_context")
+            q_lat, q_pe = self.q[i](x).view(-1, self.heads, self.rank + self.rope).split([self.rank, self.rope], -1)
+            o = torch.ops.qaic.unified_mla_attention(q_lat, q_pe, f"mla.{i}", 0.2, dep)
+            x = x + self.o[i](o.reshape(-1, self.heads * self.rank))
+        return x
+
+
+def test_mla_updates_lower_to_latent_retained_state():
+    torch.manual_seed(0)
+    model = TinyMLA().eval()
+    x = torch.randn(7, 32)
+    md = qaic_dynamo.build_attention_metadata([4, 3], [4, 3], [[0], [1]], block_size=8)
+
+    def caches():
+        return {f"mla.{i}": (torch.zeros(2, 1, 8, 16), torch.zeros(2, 1, 8, 8)) for i in range(2)}
+
+    eager_kv, compiled_kv = caches(), caches()
+    with torch.no_grad():
+        with qaic_dynamo.set_forward_context(md, eager_kv):
+            want = model(x)
+        with compilation_counter.expect(num_backend_compilations=3, num_eager_fallbacks=0), \
+                qaic_dynamo.set_forward_context(md, compiled_kv):
+            got = torch.compile(model, backend="qaic")(x)  # first, middle, last
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for name in eager_kv:
+        for a, b in zip(eager_kv[name], compiled_kv[name]):
+            torch.testing.assert_close(a, b)
+    first = next(p for p in last_compile_report().pieces if p.kind == "compiled")
+    m = onnx.load(str(Path(first.artifact) / "model.onnx"))
+    assert [i.name for i in m.graph.input][-3:] == ["compressed_kv", "k_pe", "slot_mapping"]
+    assert [o.name for o in m.graph.output][-2:] == ["compressed_kv_RetainedState", "k_pe_RetainedState"]
