@@ -24,6 +24,8 @@ __version__ = "0.1.0"
 
 # The backend pulls in onnx, onnxscript and onnxruntime; load it only when asked for.
 _LAZY = {
+    "LLM": "qaic_dynamo.engine",
+    "RequestOutput": "qaic_dynamo.engine",
     "CompilationConfig": "qaic_dynamo.config",
     "compile_reports": "qaic_dynamo.backend",
     "last_compile_report": "qaic_dynamo.backend",
@@ -40,6 +42,8 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "LLM",
+    "RequestOutput",
     "CompilationConfig",
     "CompilationCounter",
     "FROM_FORWARD_CONTEXT",

@@ -106,14 +106,30 @@ class QaicLlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
     def kv_cache_layers(self) -> list[str]:
         """Layer names in the order the model updates them."""
         return [layer.self_attn.layer_name for layer in self.layers]
 
+    def set_layer_agnostic_kv_update(self, agnostic: bool) -> None:
+        self.config.layer_agnostic_kv_update = agnostic
+        for layer in self.layers:
+            attn = layer.self_attn
+            attn.kv_update_name = FROM_FORWARD_CONTEXT if agnostic else attn.layer_name
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         return (num_blocks, self.config.num_key_value_heads, block_size, self.config.head_dim)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def kv_cache_shapes(self, num_blocks: int, block_size: int) -> dict[str, tuple[tuple[int, ...], ...]]:
+        shape = self.kv_cache_shape(num_blocks, block_size)
+        return {name: (shape, shape) for name in self.kv_cache_layers}
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor | None = None
+    ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         freqs = positions.unsqueeze(-1).to(torch.float32) * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -121,4 +137,6 @@ class QaicLlamaForCausalLM(nn.Module):
         sin = emb.sin().to(x.dtype).unsqueeze(1)
         for layer in self.layers:
             x = layer(x, cos, sin)
+        if logits_indices is not None:  # only the rows we sample from
+            x = x[logits_indices]
         return self.lm_head(self.norm(x))

@@ -1,0 +1,138 @@
+"""Run any Hugging Face ``transformers`` decoder through the qaic ops, unchanged.
+
+transformers dispatches attention through ``AttentionInterface`` by the name in
+``config._attn_implementation``. We register an implementation called ``"qaic"`` that
+writes the layer's K/V with ``qaic::unified_kv_cache_update`` and attends with
+``qaic::unified_attention``, and a mask function that returns ``None`` (the qaic ops take
+causality and sequence boundaries from the forward context, so the dense mask transformers
+would build is never needed). Every decoder that uses transformers' standard attention
+path works without special cases; nothing here names a model family.
+
+The engine feeds a flat batch: all new tokens of all sequences as one row
+``input_ids [1, T]`` with their real ``position_ids``, so RoPE is right per token and the
+attention op, not the mask, keeps sequences apart.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from qaic_dynamo.forward_context import FROM_FORWARD_CONTEXT
+
+__all__ = ["ATTN_IMPLEMENTATION", "HFCausalLM", "register_qaic_attention"]
+
+ATTN_IMPLEMENTATION = "qaic"
+
+
+def qaic_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: q [1, H, T, D], k/v [1, Hkv, T, D] -> [1, T, H, D]."""
+    layer_name = getattr(module, "qaic_layer_name", None)
+    if layer_name is None:
+        raise RuntimeError(
+            f"{type(module).__name__} has no qaic layer name: wrap the model with "
+            "qaic_dynamo.models.hf.HFCausalLM (or qaic_dynamo.LLM) before running it with "
+            "attn_implementation='qaic'"
+        )
+    if query.shape[0] != 1:
+        raise RuntimeError(
+            f"attn_implementation='qaic' runs a flat batch (batch dimension 1, sequences kept "
+            f"apart by the forward context); got batch {query.shape[0]}"
+        )
+    if softcap is not None or kwargs.get("s_aux") is not None:
+        raise NotImplementedError(
+            f"{type(module).__name__} uses attention logit soft-capping or sinks, which the qaic "
+            "attention op does not implement"
+        )
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    dep = torch.ops.qaic.unified_kv_cache_update(k, v, module.qaic_kv_update_name)
+    out = torch.ops.qaic.unified_attention(q, k, v, layer_name, scaling, sliding_window, dep)
+    return out.unsqueeze(0), None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def register_qaic_attention() -> None:
+    """Register ``attn_implementation="qaic"`` with transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, qaic_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+
+
+def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """transformers' attention modules, in model order: they carry ``layer_idx`` and
+    ``is_causal`` and call the attention interface."""
+    found = [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "layer_idx", None), int) and getattr(m, "is_causal", None) is not None
+    ]
+    return sorted(found, key=lambda nm: nm[1].layer_idx)
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM as the engine sees it: flat tokens in, chosen logits out."""
+
+    def __init__(self, hf_model: nn.Module, layer_agnostic_kv_update: bool = True) -> None:
+        super().__init__()
+        register_qaic_attention()
+        self.hf = hf_model
+        config = hf_model.config
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.config = text_config
+        layers = attention_modules(hf_model)
+        expected = getattr(text_config, "num_hidden_layers", len(layers))
+        if len(layers) != expected:
+            raise NotImplementedError(
+                f"{type(hf_model).__name__}: found {len(layers)} attention modules using transformers' "
+                f"attention interface but the config has {expected} layers; this architecture is not "
+                "supported by attn_implementation='qaic'"
+            )
+        for name, m in layers:
+            m.qaic_layer_name = name
+            m.qaic_kv_update_name = FROM_FORWARD_CONTEXT if layer_agnostic_kv_update else name
+        self._layers = [name for name, _ in layers]
+        hf_model.config._attn_implementation = ATTN_IMPLEMENTATION
+        if text_config is not config:
+            text_config._attn_implementation = ATTN_IMPLEMENTATION
+        self.vocab_size = text_config.vocab_size
+        self.num_kv_heads = text_config.num_key_value_heads
+        self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+
+    @property
+    def kv_cache_layers(self) -> list[str]:
+        return list(self._layers)
+
+    def kv_cache_shapes(self, num_blocks: int, block_size: int) -> dict[str, tuple[tuple[int, ...], ...]]:
+        shape = (num_blocks, self.num_kv_heads, block_size, self.head_dim)
+        return {name: (shape, shape) for name in self._layers}
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        out = self.hf(
+            input_ids=input_ids.unsqueeze(0),
+            position_ids=positions.unsqueeze(0),
+            use_cache=False,
+            logits_to_keep=logits_indices if logits_indices is not None else 0,
+        )
+        return out.logits[0]

@@ -1,0 +1,138 @@
+"""The LLM engine: paged KV, batching, reference models, local directories, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from qaic_dynamo import LLM, compilation_counter
+from qaic_dynamo.models import (
+    QaicLlamaConfig,
+    QaicLlamaForCausalLM,
+    QaicMLAConfig,
+    QaicMLAForCausalLM,
+    hf_model_from_config,
+)
+
+PROMPTS = [[5, 6, 7, 8], [9], [10, 11, 12, 13, 14, 15, 16, 17, 18], [19, 20]]
+
+
+def reference(kind, layers):
+    torch.manual_seed(0)
+    if kind == "llama":
+        return QaicLlamaForCausalLM(QaicLlamaConfig(num_hidden_layers=layers))
+    return QaicMLAForCausalLM(QaicMLAConfig(num_hidden_layers=layers))
+
+
+@pytest.mark.parametrize("layers", [2, 6])
+@pytest.mark.parametrize("kind", ["llama", "mla"])
+def test_reference_models_qaic_matches_eager(kind, layers):
+    model = reference(kind, layers)
+    eager = LLM(model, backend="eager").generate_outputs(PROMPTS, 6, return_logits=True)
+    with compilation_counter.expect(num_backend_compilations=3, num_eager_fallbacks=0):
+        compiled = LLM(model, backend="qaic").generate_outputs(PROMPTS, 6, return_logits=True)
+    assert [o.token_ids for o in compiled] == [o.token_ids for o in eager]
+    for c, e in zip(compiled, eager):
+        for lc, le in zip(c.logits, e.logits):
+            torch.testing.assert_close(lc, le, atol=1e-4, rtol=0)
+
+
+def test_mla_absorbed_attention_matches_the_naive_model():
+    model = reference("mla", 3).eval()
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    out = LLM(model, backend="eager").generate_outputs([prompt], 1, return_logits=True)[0]
+    torch.testing.assert_close(out.logits[0], model.reference_logits(torch.tensor(prompt))[-1], atol=1e-4, rtol=0)
+
+
+def test_blocks_are_paged_and_freed():
+    llm = LLM(reference("llama", 2), backend="eager", max_num_seqs=4, max_model_len=64, block_size=4)
+    assert len(llm._free_blocks) == llm.num_blocks == 4 * 16
+    llm.generate(PROMPTS, 5)
+    assert sorted(llm._free_blocks) == list(range(llm.num_blocks)), "every block is returned"
+
+
+def test_requests_wait_for_blocks_instead_of_truncating():
+    model = reference("llama", 2)
+    want = LLM(model, backend="eager").generate(PROMPTS, 8)
+    # Room for two sequences at a time: the others queue until blocks are freed.
+    tight = LLM(model, backend="eager", max_num_seqs=4, max_model_len=32, block_size=4, num_blocks=8)
+    assert tight.generate(PROMPTS, 8) == want
+    assert tight.stats["steps"] > 9, "the batch ran in more than one wave"
+
+
+def test_varying_batches_compile_once():
+    llm = LLM(reference("llama", 3), backend="qaic")
+    llm.generate(PROMPTS, 2)
+    with compilation_counter.expect(num_graphs_seen=0, num_backend_compilations=0):
+        llm.generate([[1]], 3)  # one sequence: one token per decode step
+        llm.generate([[1, 2, 3]] * 8, 2)
+        llm.generate([list(range(1, 40))], 1)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda llm: llm.generate([[1, 2], []]), "prompt 1 is empty"),
+        (lambda llm: llm.generate([[1] * 70]), "prompt 0 has 70 tokens but max_model_len=64"),
+        (lambda llm: llm.generate([[1] * 60], 10), "exceeds max_model_len=64"),
+        (lambda llm: llm.generate([[1, 512, -3]]), "token ids outside the vocabulary [0, 512): [512, -3]"),
+        (lambda llm: llm.generate([[1]] * 5), "got 5 prompts but max_num_seqs=4"),
+        (lambda llm: llm.generate([[1]], 0), "max_new_tokens must be a positive int"),
+        (lambda llm: llm.generate([]), "no prompts given"),
+    ],
+)
+def test_bad_input_is_rejected(call, message):
+    llm = LLM(reference("llama", 2), backend="eager", max_num_seqs=4, max_model_len=64)
+    with pytest.raises(ValueError) as e:
+        call(llm)
+    assert message in str(e.value)
+
+
+def test_a_request_larger_than_the_cache_is_rejected():
+    llm = LLM(reference("llama", 2), backend="eager", max_model_len=64, block_size=4, num_blocks=3)
+    with pytest.raises(ValueError, match="needs 4 KV blocks of 4 tokens but the cache has only 3"):
+        llm.generate([[1] * 10], 4)
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(ValueError, match=r"backend must be one of \['qaic', 'eager', 'inductor'\]"):
+        LLM(reference("llama", 2), backend="tvm")
+    with pytest.raises(FileNotFoundError, match="neither a local model directory nor a reference model"):
+        LLM("meta-llama/Llama-3-8B")
+    with pytest.raises(TypeError, match="cannot run a Linear"):
+        LLM(torch.nn.Linear(2, 2))
+
+
+def test_local_model_directory(tmp_path):
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    hf = hf_model_from_config(cfg, seed=3)
+    hf.save_pretrained(tmp_path / "weights")
+    want = LLM(hf, backend="eager").generate(PROMPTS, 4)
+    assert LLM(str(tmp_path / "weights"), backend="eager").generate(PROMPTS, 4) == want
+
+    cfg.save_pretrained(tmp_path / "config-only")  # no weights: random from seed 0
+    a = LLM(str(tmp_path / "config-only"), backend="eager").generate(PROMPTS, 4)
+    b = LLM(hf_model_from_config(cfg, seed=0), backend="eager").generate(PROMPTS, 4)
+    assert a == b
+
+
+def test_reference_model_by_name_and_json_config(tmp_path):
+    assert LLM("llama", backend="eager").generate([[1, 2, 3]], 2) == \
+        LLM(reference("llama", 4), backend="eager").generate([[1, 2, 3]], 2)
+    from qaic_dynamo.models import hf_config
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "qwen2", "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 1,
+                                "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 64}))
+    cfg = hf_config(path)
+    assert type(cfg).__name__ == "Qwen2Config" and cfg.vocab_size == 300
+
+
+@pytest.mark.slow
+def test_inductor_backend_matches_eager():
+    model = reference("llama", 2)
+    assert LLM(model, backend="inductor").generate(PROMPTS, 4) == LLM(model, backend="eager").generate(PROMPTS, 4)
