@@ -8,19 +8,105 @@
 #include "forward_context.h"
 #include "ops.h"
 
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
 
 namespace qaic {
 
 namespace {
 
+// Work below this many multiply-adds stays on the calling thread. Why it matters: in a
+// compiled model attention is the only PyTorch work between ONNX Runtime pieces, and an
+// OpenMP region leaves PyTorch's workers spinning for a while afterwards, taking cores
+// from ONNX Runtime's threads. A decode step's attention is small, so it runs serially.
+constexpr int64_t kSerialDecodeWork = int64_t(1) << 22;
+
+struct DecodeRow {
+  int64_t row;    // query row
+  int64_t len;    // tokens in the cache (context + this one)
+  int64_t start;  // first visible position (sliding window)
+  const int64_t* blocks;
+};
+
+// One query token per sequence (decode): scores over its cached keys, softmax, weighted
+// sum of its cached values, accumulated in float. The key is the concatenation of
+// key_cache and (for MLA) extra_key_cache along the head dim.
+template <typename scalar_t>
+void decode_attention(
+    const std::vector<DecodeRow>& rows, const at::Tensor& query, const at::Tensor& key_cache,
+    const at::Tensor& value_cache, const at::Tensor* extra_key_cache, float scale, at::Tensor& out) {
+  const int64_t hq = query.size(1), dq = query.size(2);
+  const int64_t hkv = key_cache.size(1), bs = key_cache.size(2), dk = key_cache.size(3);
+  const int64_t dv = value_cache.size(3), de = extra_key_cache ? extra_key_cache->size(3) : 0;
+  const int64_t group = hq / hkv;
+  const scalar_t* q = query.const_data_ptr<scalar_t>();
+  const scalar_t* kc = key_cache.const_data_ptr<scalar_t>();
+  const scalar_t* vc = value_cache.const_data_ptr<scalar_t>();
+  const scalar_t* ec = extra_key_cache ? extra_key_cache->const_data_ptr<scalar_t>() : nullptr;
+  scalar_t* o = out.data_ptr<scalar_t>();
+
+  auto run = [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<float> acc(dv);
+    for (int64_t item = begin; item < end; ++item) {
+      const DecodeRow& r = rows[item / hq];
+      const int64_t h = item % hq, kh = h / group;
+      const scalar_t* qh = q + (r.row * hq + h) * dq;
+      const int64_t n = r.len - r.start;
+      scores.resize(n);
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t p = r.start + i;
+        const int64_t slot = (r.blocks[p / bs] * hkv + kh) * bs + p % bs;
+        const scalar_t* k = kc + slot * dk;
+        float dot = 0.f;
+        for (int64_t d = 0; d < dk; ++d) dot += float(qh[d]) * float(k[d]);
+        if (ec != nullptr) {
+          const scalar_t* e = ec + slot * de;
+          for (int64_t d = 0; d < de; ++d) dot += float(qh[dk + d]) * float(e[d]);
+        }
+        scores[i] = dot * scale;
+        mx = std::max(mx, scores[i]);
+      }
+      float sum = 0.f;
+      for (int64_t i = 0; i < n; ++i) {
+        scores[i] = std::exp(scores[i] - mx);
+        sum += scores[i];
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t p = r.start + i;
+        const scalar_t* v = vc + ((r.blocks[p / bs] * hkv + kh) * bs + p % bs) * dv;
+        const float w = scores[i];
+        for (int64_t d = 0; d < dv; ++d) acc[d] += w * float(v[d]);
+      }
+      scalar_t* oh = o + (r.row * hq + h) * dv;
+      const float inv = 1.f / sum;
+      for (int64_t d = 0; d < dv; ++d) oh[d] = scalar_t(acc[d] * inv);
+    }
+  };
+  const int64_t items = static_cast<int64_t>(rows.size()) * hq;
+  int64_t work = 0;
+  for (const DecodeRow& r : rows) work += (r.len - r.start) * (dq + dv) * hq;
+  if (work < kSerialDecodeWork) {
+    run(0, items);
+  } else {
+    at::parallel_for(0, items, 1, run);
+  }
+}
+
 // K or V of one sequence as [heads, L, head_size]. A sequence held in a single block (the
 // QAIC retained-state layout, block_size == ctx_len) is a view: no copy, so the cost of a
 // decode step does not grow with cache capacity. Otherwise only this sequence's blocks
 // are gathered.
-at::Tensor gather_sequence(
-    const at::Tensor& cache, const int64_t* blocks, int64_t max_blocks, int64_t len,
-    const char* op) {
+// The blocks a sequence of `len` tokens uses, checked against the table and the cache.
+int64_t check_blocks(
+    const at::Tensor& cache, const int64_t* blocks, int64_t max_blocks, int64_t len, const char* op) {
   const int64_t num_blocks = cache.size(0);
   const int64_t block_size = cache.size(2);
   const int64_t needed = (len + block_size - 1) / block_size;
@@ -32,6 +118,14 @@ at::Tensor gather_sequence(
         blocks[i] >= 0 && blocks[i] < num_blocks, op, ": block_tables entry ", blocks[i],
         " is out of range for a cache of ", num_blocks, " blocks");
   }
+  return needed;
+}
+
+at::Tensor gather_sequence(
+    const at::Tensor& cache, const int64_t* blocks, int64_t max_blocks, int64_t len,
+    const char* op) {
+  const int64_t block_size = cache.size(2);
+  const int64_t needed = check_blocks(cache, blocks, max_blocks, len, op);
   if (needed == 1) {
     return cache.select(0, blocks[0]).narrow(1, 0, len);
   }
@@ -87,6 +181,11 @@ at::Tensor paged_attention(
   // Padding rows (past the last sequence) stay zero.
   at::Tensor out = at::zeros(
       {query.size(0), query.size(1), value_cache.size(3)}, query.options());
+  // Single-token (decode) rows take the direct kernel when the caches are plain
+  // contiguous tensors; everything else goes through SDPA per sequence.
+  const bool direct = key_cache.is_contiguous() && value_cache.is_contiguous() &&
+      (!extra_key_cache || extra_key_cache->is_contiguous());
+  std::vector<DecodeRow> decode_rows;
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t q0 = md.query_start_loc_host[b];
     const int64_t n = md.query_start_loc_host[b + 1] - q0;
@@ -99,6 +198,11 @@ at::Tensor paged_attention(
       start = len - n + 1 - *sliding_window;
     }
     const int64_t* row = bt + b * max_blocks;
+    if (n == 1 && direct) {
+      check_blocks(key_cache, row, max_blocks, len, op);
+      decode_rows.push_back(DecodeRow{q0, len, start, row});
+      continue;
+    }
     at::Tensor k = gather_sequence(key_cache, row, max_blocks, len, op);
     at::Tensor v = same_kv ? k : gather_sequence(value_cache, row, max_blocks, len, op);
     if (extra_key_cache) {
@@ -129,6 +233,15 @@ at::Tensor paged_attention(
     at::Tensor o = at::scaled_dot_product_attention(
         q, k.unsqueeze(0), v.unsqueeze(0), mask, 0.0, causal, scale, gqa);
     out.narrow(0, q0, n).copy_(o.squeeze(0).transpose(0, 1));
+  }
+  if (!decode_rows.empty()) {
+    const at::Tensor q = query.contiguous();
+    const float sm_scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(double(query.size(2)))));
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "decode_attention", [&] {
+      decode_attention<scalar_t>(
+          decode_rows, q, key_cache, value_cache,
+          extra_key_cache ? &extra_key_cache.value() : nullptr, sm_scale, out);
+    });
   }
   return out;
 }

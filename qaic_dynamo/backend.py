@@ -176,7 +176,12 @@ class QaicBackend:
         report.seconds["propagate"] = time.perf_counter() - t0
 
         fingerprint_s = lowering_s = 0.0
-        for piece in split.pieces:
+        pieces = split.pieces
+        if self.config.progress:
+            from tqdm import tqdm
+
+            pieces = tqdm(pieces, desc=f"qaic: compiling graph {report.graph_index}", unit="piece", leave=False)
+        for piece in pieces:
             compilation_counter.num_piecewise_graphs_seen += 1
             if piece.is_splitting:
                 report.pieces.append(PieceReport(piece.index, piece.name, "splitting", piece.reason))

@@ -74,6 +74,10 @@ class CompilationConfig:
         default=None,
         metadata=_doc("ONNX Runtime intra-op threads. Default: torch.get_num_threads()."),
     )
+    progress: bool = field(
+        default=False,
+        metadata=_doc("Show a progress bar over the pieces while a graph compiles (tqdm, on stderr)."),
+    )
 
     #: Fields that change what a piece compiles to; everything else is runtime behaviour.
     ARTIFACT_FIELDS = ("opset", "runtime")
@@ -92,6 +96,8 @@ class CompilationConfig:
         _check_choice("opset", self.opset, OPSETS)
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ConfigError(f"qaic option 'num_threads' must be a positive int or None, got {self.num_threads!r}")
+        if not isinstance(self.progress, bool):
+            raise ConfigError(f"qaic option 'progress' must be True or False, got {self.progress!r}")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise ConfigError(f"qaic option 'dump_dir' must be a path or None, got {self.dump_dir!r}")
 

@@ -1,87 +1,150 @@
-"""Round-trip a batch through the layer-agnostic KV-cache ops and check it against PyTorch.
+"""Compile a transformer with backend="qaic" and show what layer-agnostic KV updates buy.
 
-This is the smallest honest thing the op layer does on its own: for every layer of a
-decoder-shaped stack it writes a mixed prefill/decode batch into a paged cache with
-``unified_kv_cache_update(..., "from_forward_context")`` and reads it back with
-``unified_attention``, then compares with ``scaled_dot_product_attention`` on the unpaged
-sequences and prints the timings.
+The default model is a Llama-architecture ``transformers`` model built from the config
+below with random weights (seed 0): 16 layers, hidden size 512, grouped-query attention.
+Nothing is downloaded. It runs greedy generation for a few prompts with the ``LLM``
+engine twice, eagerly and compiled, and prints: the layers, the pieces the backend saw,
+how many it compiled and reused, the cold compile time, tokens/s of both, and the
+largest logit difference. ``--compare`` also compiles the model with per-layer names in
+the KV update (the old behaviour) and prints both compile times side by side.
+
+The exit status is non-zero if the compiled model's tokens differ from eager's.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import torch
 
-from qaic_dynamo import build_attention_metadata, ops, set_forward_context
+#: The demo's built-in model: Llama architecture, 16 layers, hidden 512, 8 query / 2 kv heads.
+DEFAULT_LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 32000,
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--heads", type=int, default=8, help="query heads")
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-size", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--steps", type=int, default=8, help="decode steps after the prefill")
+    p.add_argument("--model", choices=["llama", "qwen2", "mistral", "mla"], default="llama",
+                   help="architecture of the built-in model (llama, qwen2, mistral: transformers; mla: reference)")
+    p.add_argument("--config", metavar="DIR_OR_JSON", help="a local transformers config (directory or JSON file)")
+    p.add_argument("--layers", type=int, default=None, help="override the number of layers (default 16)")
+    p.add_argument("--hidden-size", type=int, default=None, help="override the hidden size (default 512)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--compare", action="store_true", help="also compile with per-layer KV-update names")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_model(args: argparse.Namespace) -> Any:
+    from qaic_dynamo.models import QaicMLAConfig, QaicMLAForCausalLM, hf_config, hf_model_from_config
+
+    if args.model == "mla" and not args.config:
+        torch.manual_seed(args.seed)
+        hidden = args.hidden_size or 512
+        return QaicMLAForCausalLM(QaicMLAConfig(
+            vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+            num_hidden_layers=args.layers or 16, num_attention_heads=8, kv_lora_rank=128,
+            qk_nope_head_dim=hidden // 8, qk_rope_head_dim=32, v_head_dim=hidden // 8))
+    if args.config:
+        cfg = hf_config(args.config)
+    else:
+        d = dict(DEFAULT_LLAMA, model_type=args.model)
+        if args.model == "mistral":
+            d["sliding_window"] = 4096
+        cfg = hf_config(d)
+    if args.layers:
+        cfg.num_hidden_layers = args.layers
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = cfg.layer_types[: args.layers] + [cfg.layer_types[-1]] * (args.layers - len(cfg.layer_types))
+    if args.hidden_size:
+        cfg.head_dim = args.hidden_size // cfg.num_attention_heads
+        cfg.hidden_size = args.hidden_size
+        cfg.intermediate_size = args.hidden_size * 11 // 4
+    return hf_model_from_config(cfg, seed=args.seed)
+
+
+def _cold(llm: Any, prompts: list[list[int]]) -> float:
+    """Seconds of the first call (Dynamo trace + backend + one prefill step)."""
+    t0 = time.perf_counter()
+    llm.generate(prompts, 1)
+    return time.perf_counter() - t0
+
+
+def _fresh_compile_state() -> None:
+    from qaic_dynamo.cache import artifact_cache
+
+    torch._dynamo.reset()
+    artifact_cache.clear_memory()
 
 
 def run(args: argparse.Namespace) -> int:
-    torch.manual_seed(0)
-    prompts = [37, 5, 120, 64]  # prefill lengths of four sequences
-    bs, L = args.block_size, args.layers
-    max_len = max(prompts) + args.steps
-    blocks_per_seq = -(-max_len // bs)
-    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(prompts))]
-    num_blocks = blocks_per_seq * len(prompts)
-    shape = (num_blocks, args.kv_heads, bs, args.head_size)
-    layers = [f"layers.{i}" for i in range(L)]
-    kv = {n: (torch.zeros(shape), torch.zeros(shape)) for n in layers}
-    history_k = {n: [[] for _ in prompts] for n in layers}
-    history_v = {n: [[] for _ in prompts] for n in layers}
+    from qaic_dynamo import LLM, compilation_counter, last_compile_report
 
-    seq_lens = [0] * len(prompts)
-    worst, update_s, attn_s, tokens = 0.0, 0.0, 0.0, 0
-    for step in range(args.steps + 1):
-        q_lens = prompts if step == 0 else [1] * len(prompts)
-        seq_lens = [s + q for s, q in zip(seq_lens, q_lens)]
-        md = build_attention_metadata(seq_lens, q_lens, tables, bs)
-        T = sum(q_lens)
-        tokens += T
-        with set_forward_context(md, kv):
-            for name in layers:
-                k = torch.randn(T, args.kv_heads, args.head_size)
-                v = torch.randn(T, args.kv_heads, args.head_size)
-                q = torch.randn(T, args.heads, args.head_size)
-                t0 = time.perf_counter()
-                dep = ops.unified_kv_cache_update(k, v)  # the layer comes from the context
-                t1 = time.perf_counter()
-                out = ops.unified_attention(q, k, v, name, kv_cache_dependency=dep)
-                t2 = time.perf_counter()
-                update_s += t1 - t0
-                attn_s += t2 - t1
-                start = 0
-                for b, n in enumerate(q_lens):
-                    history_k[name][b].append(k[start:start + n])
-                    history_v[name][b].append(v[start:start + n])
-                    kk = torch.cat(history_k[name][b]).repeat_interleave(args.heads // args.kv_heads, 1)
-                    vv = torch.cat(history_v[name][b]).repeat_interleave(args.heads // args.kv_heads, 1)
-                    Lb = kk.shape[0]
-                    mask = torch.arange(Lb).unsqueeze(0) <= torch.arange(Lb - n, Lb).unsqueeze(1)
-                    ref = torch.nn.functional.scaled_dot_product_attention(
-                        q[start:start + n].transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1),
-                        attn_mask=mask).transpose(0, 1)
-                    worst = max(worst, (out[start:start + n] - ref).abs().max().item())
-                    start += n
-    calls = L * (args.steps + 1)
-    print("qaic_dynamo op-layer demo: paged KV round trip, layer taken from the forward context")
-    print(f"  layers                     {L}")
-    print(f"  sequences                  {len(prompts)} (prefill {prompts}, then {args.steps} decode steps)")
-    print(f"  cache                      {num_blocks} blocks x {bs} tokens, {args.kv_heads} kv heads x {args.head_size}")
-    print(f"  tokens written per layer   {tokens}")
-    print(f"  kv update                  {update_s / calls * 1e6:8.1f} us per layer call")
-    print(f"  attention                  {attn_s / calls * 1e6:8.1f} us per layer call")
-    print(f"  max |attention - SDPA|     {worst:.2e}")
-    ok = worst < 1e-4
-    print("  result                     " + ("OK" if ok else "MISMATCH"))
-    return 0 if ok else 1
+    model = build_model(args)
+    g = torch.Generator().manual_seed(args.seed)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (12, 35, 7, 60)]
+    max_len = max(len(p) for p in prompts) + args.max_new_tokens
+    engine_kw = dict(max_num_seqs=len(prompts), max_model_len=max(128, max_len), block_size=16)
+
+    print(f"qaic_dynamo demo: {type(model).__name__}, building engines ...", flush=True)
+    eager = LLM(model, backend="eager", **engine_kw)
+    n_layers = len(eager.kv_cache_layers)
+    eager.generate(prompts, 1)  # warm-up (allocator, threads)
+    t0 = time.perf_counter()
+    ref = eager.generate_outputs(prompts, args.max_new_tokens, return_logits=True)
+    eager_s = time.perf_counter() - t0
+
+    _fresh_compile_state()
+    before = compilation_counter.snapshot()
+    qaic = LLM(model, backend="qaic", compile_options={"progress": True}, **engine_kw)
+    cold_s = _cold(qaic, prompts)
+    report = last_compile_report()
+    seen = compilation_counter.num_piecewise_graphs_seen - before.num_piecewise_graphs_seen
+    compiled_n = compilation_counter.num_backend_compilations - before.num_backend_compilations
+    reused = compilation_counter.num_piece_reuses - before.num_piece_reuses
+    fallbacks = compilation_counter.num_eager_fallbacks - before.num_eager_fallbacks
+    t0 = time.perf_counter()
+    out = qaic.generate_outputs(prompts, args.max_new_tokens, return_logits=True)
+    qaic_s = time.perf_counter() - t0
+
+    gen_tokens = len(prompts) * args.max_new_tokens
+    same = [o.token_ids for o in out] == [r.token_ids for r in ref]
+    diff = max((a - b).abs().max().item() for o, r in zip(out, ref) for a, b in zip(o.logits, r.logits))
+
+    rows = [
+        ("layers", f"{n_layers}"),
+        ("pieces seen", f"{seen} ({n_layers} attention splits)"),
+        ("unique pieces compiled", f"{compiled_n}"),
+        ("pieces reused", f"{reused}"),
+        ("eager fallbacks", f"{fallbacks}"),
+        ("cold compile (first call, s)", f"{cold_s:.2f}  (backend {report.seconds['total']:.2f})"),
+        ("tokens/s compiled vs eager", f"{gen_tokens / qaic_s:.1f} vs {gen_tokens / eager_s:.1f}"),
+        ("max |logit - eager logit|", f"{diff:.2e}"),
+        ("greedy tokens identical", "yes" if same else "NO"),
+    ]
+    if args.compare:
+        _fresh_compile_state()
+        before = compilation_counter.snapshot()
+        per_layer = LLM(model, backend="qaic", layer_agnostic_kv_update=False,
+                        compile_options={"progress": True}, **engine_kw)
+        per_layer_s = _cold(per_layer, prompts)
+        per_layer_n = compilation_counter.num_backend_compilations - before.num_backend_compilations
+        rows.append(("cold compile, per-layer names (s)",
+                     f"{per_layer_s:.2f}  ({per_layer_n} unique pieces) = {per_layer_s / cold_s:.1f}x the layer-agnostic compile"))
+    width = max(len(k) for k, _ in rows)
+    print(f"\nprompts: {len(prompts)} of {[len(p) for p in prompts]} tokens, {args.max_new_tokens} new tokens each")
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+    return 0 if same else 1

@@ -350,3 +350,13 @@ def test_attention_needs_full_metadata():
         ops.unified_kv_cache_update(torch.ones(2, 1, 8), torch.ones(2, 1, 8))  # fine
         with pytest.raises(RuntimeError, match="needs attention metadata"):
             ops.unified_attention(torch.ones(2, 1, 8), torch.ones(2, 1, 8), torch.ones(2, 1, 8), "l0")
+
+
+def test_long_decode_rows_take_the_parallel_path():
+    # 2 rows x 8 heads x ~2750 positions x (64 + 64) dims is past the serial threshold.
+    b = batch(seq_lens=[3000, 2500], query_lens=[1, 1], block_size=16, heads=8, kv_heads=2, head_size=64)
+    with set_forward_context(b["md"], b["kv"]):
+        ops.unified_kv_cache_update(b["new_k"], b["new_v"])
+        out = ops.unified_attention(b["query"], b["new_k"], b["new_v"], "l0")
+    for i, (k, v) in enumerate(zip(b["full_k"], b["full_v"])):
+        torch.testing.assert_close(out[i:i + 1], ref_causal_attention(b["query"][i:i + 1], k, v), atol=1e-5, rtol=1e-5)
