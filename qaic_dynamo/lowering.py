@@ -30,6 +30,7 @@ decides whether that means an eager fallback or an error.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import operator
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import onnx
+import onnx.inliner
 import sympy
 import torch
 import torch.fx as fx
@@ -409,6 +411,10 @@ def lower_piece(
     layout.export_seconds = time.perf_counter() - t0
 
     model.ir_version = min(model.ir_version, MAX_IR_VERSION)
+    # Helper functions of onnxscript's torch library (pkg.onnxscript.torch_lib) are
+    # inlined so the model holds only standard ops and our own functions.
+    if len(model.functions):
+        model = onnx.inliner.inline_local_functions(model)
     used = {n.op_type for n in model.graph.node if n.domain == QAIC_DOMAIN}
     model.functions.extend(function_protos(used))
     if layout.kv_updates and "KVCacheScatter" not in used:
@@ -433,20 +439,50 @@ def lower_piece(
     return layout
 
 
+_TRANSLATIONS = {torch.ops.qaic_lowering.kv_cache_scatter.default: _translate_kv_cache_scatter}
+
+
+@functools.cache
+def _registry(opset: int) -> Any:
+    """torch.onnx's op registry with our translation, built once per opset.
+
+    The public ``torch.onnx.export`` rebuilds this registry from onnxscript's torch
+    library on every call (~1 s here, a third of a piece's export), so lowering builds it
+    once and calls the exporter's core entry with it. That entry is private; if it is not
+    there (another torch), lowering uses the public API instead.
+    """
+    from torch.onnx._internal.exporter import _registration
+
+    registry = _registration.ONNXRegistry.from_torchlib(opset_version=opset)
+    for target, fn in _TRANSLATIONS.items():
+        registry.register_op(target, fn, is_complex=False)
+    return registry
+
+
 def _export(prepared: _Prepared, config: CompilationConfig) -> Any:
-    return torch.onnx.export(
-        prepared.gm,
-        tuple(prepared.example),
-        dynamo=True,
+    common = dict(
+        dynamic_shapes=tuple(prepared.dynamic_shapes),
         input_names=prepared.input_names,
         output_names=prepared.output_names,
-        dynamic_shapes=tuple(prepared.dynamic_shapes),
-        opset_version=config.opset,
-        custom_translation_table={torch.ops.qaic_lowering.kv_cache_scatter.default: _translate_kv_cache_scatter},
         # The exporter's optimizer would inline KVCacheScatter; ONNX Runtime optimises the
         # graph itself when it loads it, and the QAIC compiler wants the function intact.
         optimize=False,
         verbose=False,
+    )
+    try:
+        from torch.onnx._internal.exporter import _core
+
+        core_export = _core.export
+        registry = _registry(config.opset)
+    except (ImportError, AttributeError, TypeError) as e:  # pragma: no cover - other torch versions
+        logger.debug("qaic: using the public torch.onnx.export (%s)", e)
+    else:
+        # opset_version=None: the registry already targets config.opset, so no version
+        # conversion (which would also inline every function) is needed.
+        return core_export(prepared.gm, tuple(prepared.example), registry=registry, opset_version=None, **common)
+    return torch.onnx.export(
+        prepared.gm, tuple(prepared.example), dynamo=True, opset_version=config.opset,
+        custom_translation_table=dict(_TRANSLATIONS), **common,
     )
 
 
