@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import qaic_dynamo  # noqa: E402
-from common import markdown_table, median_seconds, save_results  # noqa: E402
+from common import markdown_table, piece_call_costs, save_results  # noqa: E402
 from qaic_dynamo import build_attention_metadata, set_forward_context  # noqa: E402
 from qaic_dynamo.backend import last_compile_report  # noqa: E402
 from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM  # noqa: E402
@@ -122,36 +122,8 @@ def main() -> None:
         with set_forward_context(md, decode.caches, model.kv_cache_layers) as ctx:
             compiled(ids, pos)
     handle.remove()
-    # Contiguous up front, so the runner binds these tensors and not temporary copies
-    # (the bare ORT run below reuses its bindings).
-    piece_args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in captured["args"])
     with torch.no_grad(), set_forward_context(md, decode.caches, model.kv_cache_layers) as ctx:
-        def call_runner():
-            ctx.reset_kv_cache_layer_index()
-            middle(*piece_args)
-
-        def call_eager():
-            ctx.reset_kv_cache_layer_index()
-            middle.eager(*piece_args)
-
-        t_runner = median_seconds(call_runner, repeats)
-        call_runner()  # binds the inputs
-        # The runner binds fresh output tensors on every call; for the bare run, bind
-        # outputs that stay alive (ORT would otherwise write through freed pointers).
-        kept = []
-        sym = middle._symbols(piece_args)
-        for spec, shape_fn, dtype in zip(middle.artifact.layout.outputs, middle.artifact.output_shapes,
-                                         middle.artifact.output_dtypes):
-            if spec["target"][0] == "leaf":
-                t = torch.empty(shape_fn(sym), dtype=dtype)
-                kept.append(t)
-                middle._bind(spec["name"], t, output=True)
-
-        def bare_run():
-            middle.artifact.session._sess.run_with_iobinding(middle._c_io, None)
-
-        t_bare = median_seconds(bare_run, repeats)
-        t_eager = median_seconds(call_eager, repeats)
+        t_runner, t_bare, t_eager = piece_call_costs(middle, captured["args"], ctx, repeats)
     overhead = t_runner - t_bare
     print(f"middle piece, decode batch of {len(prompts)}: runner {t_runner * 1e6:.1f} us = ORT run {t_bare * 1e6:.1f} us "
           f"+ binding/dispatch {overhead * 1e6:.1f} us ({overhead / t_runner * 100:.0f}%); "

@@ -22,8 +22,12 @@ RESULTS_DIR = Path(__file__).parent / "results"
 
 
 def median_seconds(fn: Callable[[], Any], repeats: int = 5, min_run_time: float = 0.2) -> float:
-    """Median over `repeats` runs of torch's blocked_autorange (itself a median per run)."""
-    timer = Timer(stmt="fn()", globals={"fn": fn})
+    """Median over `repeats` runs of torch's blocked_autorange (itself a median per run).
+
+    Timer runs with one thread unless told otherwise; every figure here is taken with the
+    process's thread count (and changing it would also make Dynamo recompile).
+    """
+    timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
     runs = [timer.blocked_autorange(min_run_time=min_run_time).median for _ in range(repeats)]
     return statistics.median(runs)
 
@@ -73,3 +77,42 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(fmt(x) for x in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def piece_call_costs(runner: Any, args: tuple, ctx: Any, repeats: int) -> tuple[float, float, float]:
+    """(runner call, bare ONNX Runtime run, eager PyTorch) seconds for one compiled piece.
+
+    ``ctx`` is the forward context the piece's cache updates resolve in; its layer index
+    is reset before each call. Binding + dispatch overhead = runner - bare run.
+    """
+    # Contiguous up front, so the runner binds these tensors and not temporary copies
+    # (the bare run reuses the runner's bindings).
+    args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
+
+    def call_runner():
+        ctx.reset_kv_cache_layer_index()
+        runner(*args)
+
+    def call_eager():
+        ctx.reset_kv_cache_layer_index()
+        runner.eager(*args)
+
+    t_runner = median_seconds(call_runner, repeats)
+    call_runner()  # binds the inputs
+    # The runner binds fresh output tensors on every call; for the bare run, bind outputs
+    # that stay alive (ONNX Runtime would otherwise write through freed pointers).
+    kept = []
+    sym = runner._symbols(args) if runner._needs_symbols else None
+    for name, target, shape_fn, dtype in runner._outputs:
+        if target[0] == "leaf":
+            t = torch.empty(shape_fn(sym), dtype=dtype)
+            kept.append(t)
+            runner._bind(name, t, output=True)
+
+    def bare_run():
+        runner.artifact.session._sess.run_with_iobinding(runner._c_io, None)
+
+    t_bare = median_seconds(bare_run, repeats)
+    t_eager = median_seconds(call_eager, repeats)
+    del kept
+    return t_runner, t_bare, t_eager

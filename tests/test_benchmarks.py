@@ -37,3 +37,23 @@ def test_backend_stages_benchmark_smoke(tmp_path):
     assert set(result["decode_step_ms"]) == {"1x", "8x"}
     assert result["stages"]["backend total"] > 0 and 0 <= result["fingerprint_reuse_share"] < 1
     assert "fingerprint + reuse =" in out and "decode 8x / 1x capacity" in out
+
+
+def test_cold_start_benchmark_smoke(tmp_path):
+    out = run_benchmark("cold_start.py", tmp_path, "--smoke", "--methods", "qaic", "floor", "onnx")
+    result = json.loads((tmp_path / "cold_start_smoke.json").read_text())
+    assert result["layers"] == [1, 2] and set(result["median_first_call_s"]) == {"qaic", "floor", "onnx"}
+    for method, by_layers in result["median_first_call_s"].items():
+        assert all(v > 0 for v in by_layers.values()), method
+    assert result["samples"]["qaic"]["2"][0]["unique_pieces"] == 3
+    assert (tmp_path / "cold_start_smoke.png").stat().st_size > 1000
+    assert "qaic(2)/qaic(1)" in out and "Cold start" in out
+
+
+def test_decode_latency_benchmark_smoke(tmp_path):
+    out = run_benchmark("decode_latency.py", tmp_path, "--backends", "qaic", "eager")
+    result = json.loads((tmp_path / "decode_latency_quick.json").read_text())
+    assert set(result["step_ms"]) == {"qaic", "eager"}
+    assert set(result["step_ms"]["qaic"]) == {"prefill b1x128", "decode b1", "decode b8"}
+    assert set(result["capacity_decode_b8_ms"]) == {"1x", "8x"}
+    assert "decode b8 qaic / eager" in out

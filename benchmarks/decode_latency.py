@@ -1,0 +1,152 @@
+"""Per-step latency of qaic, eager and inductor on the same model and inputs.
+
+One engine step (``LLM._step``: build metadata, set the forward context, run the model,
+slice the logits) for:
+  * prefill: batch 1 x 128 tokens,
+  * decode: batch 1 and batch 8, each sequence 128 tokens deep,
+as the median of many steps after warm-up (and of several timing runs). Also, for qaic:
+the per-piece overhead (binding + dispatch against the ONNX Runtime run) of a middle
+piece, and a batch-8 decode step at 1x and 8x KV capacity with the same live tokens,
+which must not grow (the cache is updated in place).
+
+Target: decode latency at batch 8, qaic <= 1.0 x eager.
+
+    python benchmarks/decode_latency.py [--quick] [--layers 16] [--hidden-size 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import markdown_table, median_seconds, piece_call_costs, save_results  # noqa: E402
+
+CONTEXT = 128
+
+
+def build(layers: int, hidden: int, vocab: int):
+    from qaic_dynamo.demo import DEFAULT_LLAMA
+    from qaic_dynamo.models import hf_config, hf_model_from_config
+
+    cfg = dict(DEFAULT_LLAMA, num_hidden_layers=layers, hidden_size=hidden, vocab_size=vocab,
+               intermediate_size=hidden * 11 // 4)
+    return hf_model_from_config(hf_config(cfg))
+
+
+def case_batch(llm, kind: str, batch: int):
+    """Sequences as the engine holds them, with blocks assigned, for one step."""
+    from qaic_dynamo.engine import _Seq
+
+    per_seq = -(-(CONTEXT + 8) // llm.block_size)
+    seqs = []
+    for i in range(batch):
+        blocks = list(range(i * per_seq, (i + 1) * per_seq))
+        if kind == "prefill":
+            seqs.append((_Seq(i, [7] * CONTEXT, 1, blocks=blocks), [7] * CONTEXT))
+        else:  # decoding the 128th token: 127 cached + this one
+            s = _Seq(i, [7] * (CONTEXT - 1), 8, blocks=blocks, output=[9])
+            seqs.append((s, [9]))
+    return seqs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small model, fewer repeats")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden-size", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--backends", nargs="+", default=["qaic", "eager", "inductor"])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--results-dir", type=Path, default=None)
+    args = ap.parse_args()
+    from qaic_dynamo import LLM, set_forward_context
+    from qaic_dynamo.backend import last_compile_report
+    from qaic_dynamo.runtime import PieceRunner
+
+    layers, hidden, vocab, repeats = args.layers, args.hidden_size, args.vocab, args.repeats
+    if args.quick:
+        layers, hidden, vocab, repeats = 2, 64, 512, 2
+    model = build(layers, hidden, vocab)
+    cases = [("prefill b1x128", "prefill", 1), ("decode b1", "decode", 1), ("decode b8", "decode", 8)]
+    print(f"model: {layers} layers, hidden {hidden}, vocab {vocab}; median of {repeats} timing runs", flush=True)
+
+    results: dict[str, dict[str, float]] = {}
+    engines = {}
+    for backend in args.backends:
+        llm = LLM(model, backend=backend, max_num_seqs=8, max_model_len=CONTEXT + 8, block_size=16)
+        engines[backend] = llm
+        results[backend] = {}
+        with torch.no_grad():
+            for name, kind, b in cases:
+                batch = case_batch(llm, kind, b)
+                for _ in range(2):  # warm-up (the first call compiles)
+                    llm._step(batch)
+                results[backend][name] = median_seconds(lambda: llm._step(batch), repeats)
+                print(f"  {backend:>8} {name:<15} {results[backend][name] * 1e3:8.2f} ms", flush=True)
+
+    rows = [[name] + [results[b][name] * 1e3 for b in args.backends] for name, _, _ in cases]
+    md = "### Step latency, ms (median)\n\n" + markdown_table(["case"] + [f"{b} (ms)" for b in args.backends], rows)
+    payload = {"layers": layers, "hidden": hidden, "vocab": vocab, "repeats": repeats,
+               "step_ms": {b: {k: v * 1e3 for k, v in r.items()} for b, r in results.items()}}
+
+    if "qaic" in engines and "eager" in results:
+        ratio = results["qaic"]["decode b8"] / results["eager"]["decode b8"]
+        payload["decode_b8_qaic_over_eager"] = ratio
+        verdict = f"decode b8 qaic / eager = {ratio:.2f} (target <= 1.0: {'met' if ratio <= 1.0 else 'MISSED'})"
+        print(verdict)
+        md += "\n" + verdict + "\n"
+
+    if "qaic" in engines:
+        llm = engines["qaic"]
+        # Per-piece overhead of a middle piece at decode b8 (the graph that serves it is the
+        # newest once a b8 step has run: Dynamo may have specialised again).
+        batch = case_batch(llm, "decode", 8)
+        with torch.no_grad():
+            llm._step(batch)
+        runners = [m for m in last_compile_report().split_module().children() if isinstance(m, PieceRunner)]
+        middle = runners[1] if len(runners) > 2 else runners[0]
+        captured = {}
+        handle = middle.register_forward_pre_hook(lambda mod, a: captured.__setitem__("args", a))
+        with torch.no_grad():
+            llm._step(batch)
+        handle.remove()
+        from qaic_dynamo import build_attention_metadata
+
+        md_ = build_attention_metadata([CONTEXT] * 8, [1] * 8, [s.blocks for s, _ in batch], llm.block_size)
+        with torch.no_grad(), set_forward_context(md_, llm.kv_caches, llm.kv_cache_layers) as ctx:
+            t_runner, t_bare, t_eager = piece_call_costs(middle, captured["args"], ctx, repeats)
+        over = t_runner - t_bare
+        payload["middle_piece_us"] = {"runner": t_runner * 1e6, "ort_run": t_bare * 1e6,
+                                      "binding_dispatch": over * 1e6, "eager": t_eager * 1e6}
+        line = (f"middle piece at decode b8: runner {t_runner * 1e6:.0f} us = ORT {t_bare * 1e6:.0f} us + "
+                f"binding/dispatch {over * 1e6:.0f} us ({over / t_runner * 100:.0f}%); eager piece {t_eager * 1e6:.0f} us")
+        print(line)
+        md += "\n" + line + "\n"
+
+        # Capacity: same live tokens, 8x the blocks.
+        cap = {}
+        for mult in (1, 8):
+            e = LLM(model, backend="qaic", max_num_seqs=8, max_model_len=CONTEXT + 8, block_size=16,
+                    num_blocks=8 * mult * (-(-(CONTEXT + 8) // 16)))
+            b = case_batch(e, "decode", 8)
+            with torch.no_grad():
+                e._step(b)
+                cap[f"{mult}x"] = median_seconds(lambda: e._step(b), repeats)
+        payload["capacity_decode_b8_ms"] = {k: v * 1e3 for k, v in cap.items()}
+        payload["capacity_8x_over_1x"] = cap["8x"] / cap["1x"]
+        line = (f"decode b8 at 1x / 8x KV capacity: {cap['1x'] * 1e3:.2f} / {cap['8x'] * 1e3:.2f} ms "
+                f"(ratio {cap['8x'] / cap['1x']:.2f})")
+        print(line)
+        md += line + "\n"
+
+    print("\n" + md)
+    path = save_results("decode_latency" + ("_quick" if args.quick else ""), payload, md, args.results_dir)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
