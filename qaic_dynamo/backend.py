@@ -18,8 +18,10 @@ fallback reason; the same table is logged to ``logging.getLogger("qaic_dynamo")`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import shutil
 import time
 import weakref
 from collections.abc import Sequence
@@ -32,7 +34,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 
-from qaic_dynamo.cache import artifact_cache
+from qaic_dynamo.cache import DiskCache, artifact_cache
 from qaic_dynamo.config import CompilationConfig, ConfigError
 from qaic_dynamo.counter import compilation_counter
 from qaic_dynamo.fingerprint import fingerprint
@@ -56,6 +58,7 @@ class PieceReport:
     seconds: float = 0.0  # fingerprint + lowering + session, this piece
     export_seconds: float = 0.0  # ONNX export + checks (0 when reused)
     load_seconds: float = 0.0  # ONNX Runtime session creation (0 when reused)
+    disk_hit: bool = False  # loaded from the persistent cache (no export)
     fallback: str | None = None
     artifact: str | None = None  # artifact directory (readable path)
 
@@ -75,23 +78,29 @@ class GraphReport:
 
     @property
     def unique_compiled(self) -> int:
-        return sum(1 for p in self.pieces if p.kind == "compiled" and not p.reused)
+        """Pieces lowered in this compile (not reused, not loaded from disk)."""
+        return sum(1 for p in self.pieces if p.kind == "compiled" and not p.reused and not p.disk_hit)
 
     @property
     def reused(self) -> int:
         return sum(1 for p in self.pieces if p.reused)
 
+    @property
+    def disk_hits(self) -> int:
+        return sum(1 for p in self.pieces if p.disk_hit)
+
     def table(self) -> str:
         lines = [
             f"qaic graph {self.graph_index}: {len(self.pieces)} pieces, {self.unique_compiled} compiled, "
-            f"{self.reused} reused; " + ", ".join(f"{k} {v:.3f}s" for k, v in self.seconds.items()),
+            f"{self.reused} reused, {self.disk_hits} from disk; " + ", ".join(f"{k} {v:.3f}s" for k, v in self.seconds.items()),
             f"{'#':>3} {'piece':<10} {'kind':<9} {'key':<12} {'reused':<6} {'seconds':>8}  why",
         ]
         for p in self.pieces:
             why = p.reason + (f"; FALLBACK: {p.fallback}" if p.fallback else "")
             lines.append(
                 f"{p.index:>3} {p.name:<10} {p.kind:<9} {p.key or '-':<12} "
-                f"{'-' if p.reused is None else ('yes' if p.reused else 'no'):<6} {p.seconds:>8.3f}  {why}"
+                f"{'-' if p.reused is None else ('yes' if p.reused else ('disk' if p.disk_hit else 'no')):<6} "
+                f"{p.seconds:>8.3f}  {why}"
             )
         return "\n".join(lines)
 
@@ -130,8 +139,28 @@ def _fake_mode(example_values: Sequence[Any]) -> Any:
     return mode
 
 
-def _piece_example_args(split_gm: fx.GraphModule, example_values: Sequence[Any], fake_mode: Any) -> dict[str, tuple]:
-    """Each piece's arguments as fake tensors, by running the split graph on fakes."""
+def _piece_example_args(
+    gm: fx.GraphModule, split_gm: fx.GraphModule, example_values: Sequence[Any], fake_mode: Any
+) -> dict[str, tuple]:
+    """Each piece's arguments as fake values.
+
+    split_module names a piece's inputs after the nodes of the original graph, and Dynamo
+    left a fake ``example_value`` on every one of those, so they are read directly; only if
+    a name is missing is the split graph run on fakes (slower: it re-runs every op).
+    """
+    known = {n.name: n.meta["example_value"] for n in gm.graph.nodes if "example_value" in n.meta}
+    direct: dict[str, tuple] = {}
+    for node in split_gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        sub = getattr(split_gm, node.target)
+        names = [p.name for p in sub.graph.nodes if p.op == "placeholder"]
+        if not all(n in known for n in names):
+            break
+        direct[node.target] = tuple(known[n] for n in names)
+    else:
+        return direct
+
     recorded: dict[str, tuple] = {}
 
     class Recorder(fx.Interpreter):
@@ -155,6 +184,7 @@ class QaicBackend:
             )
         self.config = config
         self.config_hash = config.compute_hash()
+        self.disk = DiskCache.get(config.resolved_cache_dir(), config.cache_size_limit) if config.cache else None
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
         t_start = time.perf_counter()
@@ -172,7 +202,7 @@ class QaicBackend:
         split = split_graph(gm, self.config.splitting_ops)
         report.seconds["split"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        piece_args = _piece_example_args(split.graph_module, example_values, fake_mode)
+        piece_args = _piece_example_args(gm, split.graph_module, example_values, fake_mode)
         report.seconds["propagate"] = time.perf_counter() - t0
 
         fingerprint_s = lowering_s = 0.0
@@ -215,27 +245,18 @@ class QaicBackend:
         if artifact is not None:
             entry.reused = True
             compilation_counter.num_piece_reuses += 1
-        elif failure is None:
+        elif failure is not None:
+            entry.reused = True  # the same failure as an identical piece before
+        else:
             entry.reused = False
             try:
-                out_dir = artifact_cache.new_artifact_dir(fp.key)
-                (out_dir / "fingerprint.json").write_text(json.dumps(fp.inputs, indent=1, sort_keys=True))
-                t1 = time.perf_counter()
-                lower_piece(piece.graph_module, args, fake_mode, self.config, out_dir)
-                t2 = time.perf_counter()
-                if self.config.runtime == "qaic":
-                    qaic_compile(out_dir, out_dir / "qpc")
-                artifact = load(out_dir, self.config)
-                entry.export_seconds, entry.load_seconds = t2 - t1, time.perf_counter() - t2
+                artifact = self._load_or_lower(piece, args, fake_mode, fp, entry)
                 artifact_cache.store(fp.key, artifact)
-                compilation_counter.num_backend_compilations += 1
             except LoweringError as e:
                 if self.config.fallback == "error":
                     raise LoweringError(f"{label}: {e} (options={{'fallback': 'eager'}} runs it eagerly instead)") from e
                 failure = str(e)
                 artifact_cache.store_failure(fp.key, failure)
-        else:
-            entry.reused = True  # the same failure as an identical piece before
         if artifact is None:
             entry.kind = "eager"
             entry.fallback = failure
@@ -245,6 +266,62 @@ class QaicBackend:
             setattr(split_gm, piece.name, PieceRunner(artifact, piece.graph_module, self.config, label))
         entry.seconds = time.perf_counter() - t0
         return entry, fp_s
+
+    def _load_or_lower(self, piece: Piece, args: tuple, fake_mode: Any, fp: Any, entry: PieceReport) -> Any:
+        """The artifact for a piece new to this process: from disk, else lowered (and stored)."""
+        disk = self.disk
+        if disk is not None:
+            artifact = self._from_disk(disk, fp.key, entry)
+            if artifact is not None:
+                return artifact
+        # One process lowers a key at a time; the others wait, then load its entry.
+        with disk.lock(fp.key) if disk is not None else contextlib.nullcontext():
+            if disk is not None:
+                artifact = self._from_disk(disk, fp.key, entry)
+                if artifact is not None:
+                    return artifact
+                disk.misses += 1
+            tmp = disk.new_tmp_dir(fp.key) if disk is not None else None
+            out_dir = tmp if tmp is not None else artifact_cache.new_artifact_dir(fp.key)
+            try:
+                (out_dir / "fingerprint.json").write_text(json.dumps(fp.inputs, indent=1, sort_keys=True))
+                t1 = time.perf_counter()
+                lower_piece(piece.graph_module, args, fake_mode, self.config, out_dir)
+                if self.config.runtime == "qaic":
+                    qaic_compile(out_dir, out_dir / "qpc")
+                entry.export_seconds = time.perf_counter() - t1
+            except BaseException:
+                shutil.rmtree(out_dir, ignore_errors=True)
+                raise
+            if tmp is not None:
+                writes = disk.writes
+                out_dir = disk.commit(fp.key, tmp)
+                compilation_counter.num_disk_cache_writes += disk.writes - writes
+            t2 = time.perf_counter()
+            artifact = load(out_dir, self.config)  # the session holds the model from here on
+            entry.load_seconds = time.perf_counter() - t2
+            compilation_counter.num_backend_compilations += 1
+            if disk is not None:
+                disk.evict(keep=fp.key)
+            return artifact
+
+    def _from_disk(self, disk: DiskCache, key: str, entry: PieceReport) -> Any | None:
+        path = disk.lookup(key)
+        if path is None:
+            return None
+        t0 = time.perf_counter()
+        try:
+            artifact = load(path, self.config)
+        except (LoweringError, OSError, ValueError) as e:  # verified bytes that do not load
+            disk._warn_once(f"qaic: cache entry {key[:12]} does not load ({e}); recompiling it")
+            disk.discard(key)
+            disk.repairs += 1
+            return None
+        entry.load_seconds = time.perf_counter() - t0
+        entry.disk_hit = True
+        disk.hits += 1
+        compilation_counter.num_disk_cache_hits += 1
+        return artifact
 
     def _dump(self, report: GraphReport, pieces: list[Piece]) -> None:
         out = Path(self.config.dump_dir) / f"graph{report.graph_index}"

@@ -1,34 +1,75 @@
-"""Artifacts by fingerprint: compile each unique piece once per process.
+"""Artifacts by fingerprint: in memory for this process, then on disk across processes.
 
-A lookup that hits returns the loaded artifact (the ONNX Runtime session included): no
-export, no new session. A miss hands the caller a fresh artifact directory to lower into.
-Keys are structural fingerprints, which already cover the config hash and library
-versions, so an entry can never be served to a piece that computes something else.
+**Memory.** A hit returns the loaded artifact (its ONNX Runtime session included): no
+export, no new session. Pieces that failed to lower are remembered too, so 32 identical
+failing pieces try the exporter once.
 
-Pieces that failed to lower are remembered too, so a model with 32 identical failing
-pieces tries the exporter once, not 32 times.
+**Disk.** A service restarts far more often than its model changes, so every new artifact
+is also stored under the cache root and a later process loads it instead of exporting:
+
+    <root>/v1/<key[:2]>/<key>/   model.onnx, layout.json, fingerprint.json (the readable
+                                 hash inputs), meta.json (sizes + sha256 of every file),
+                                 and later the qaic-compile output (qpc/)
+    <root>/v1/tmp/               entries being written
+    <root>/v1/locks/<key>.lock   one compiler per key at a time
+    <root>/v1/last_run.json      hit / miss counts of the last process that used the cache
+
+Keys are structural fingerprints, which cover the config hash (every field that changes
+an artifact) and the library versions, so a changed config or library simply misses.
+
+No state of the directory may make results wrong:
+  * an entry is written into ``tmp/`` and renamed into place in one step; if another
+    process got there first, its entry is kept and ours discarded, so concurrent writers
+    leave exactly one valid entry and no temporary files;
+  * every hit is verified against ``meta.json``; a truncated or corrupted entry is logged
+    once, removed and recompiled;
+  * per-key locks are ``flock`` locks (filelock), which the kernel drops when a process
+    dies, so a killed compiler never blocks the others; they only save duplicate work,
+    correctness comes from the atomic rename;
+  * a read-only or full cache directory degrades to compiling without the disk cache,
+    with one warning, never an exception;
+  * the cache is bounded: past ``cache_size_limit`` bytes the least recently used entries
+    are evicted (a hit refreshes an entry's use time).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import hashlib
+import json
+import logging
+import os
 import shutil
 import tempfile
 import threading
+import time
+import uuid
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ArtifactCache", "artifact_cache"]
+__all__ = ["ArtifactCache", "DiskCache", "EntryInfo", "artifact_cache"]
+
+logger = logging.getLogger("qaic_dynamo")
+
+FORMAT = "v1"
+META = "meta.json"
+#: temporary entries older than this are debris of a killed process
+STALE_TMP_SECONDS = 3600
 
 
 class ArtifactCache:
+    """The in-memory layer (loaded artifacts and known failures) for this process."""
+
     def __init__(self) -> None:
         self._loaded: dict[str, Any] = {}
         self._failed: dict[str, str] = {}
         self._lock = threading.Lock()
         self._scratch: Path | None = None
 
-    # -- memory ----------------------------------------------------------------------
     def lookup(self, key: str) -> Any | None:
         with self._lock:
             return self._loaded.get(key)
@@ -53,16 +94,269 @@ class ArtifactCache:
     def __len__(self) -> int:
         return len(self._loaded)
 
-    # -- where new artifacts are written -----------------------------------------------
     def new_artifact_dir(self, key: str) -> Path:
-        """A directory for the artifact of ``key`` (process scratch space for now)."""
+        """Process scratch space for an artifact when the disk cache is off."""
         with self._lock:
             if self._scratch is None:
                 self._scratch = Path(tempfile.mkdtemp(prefix="qaic_dynamo-"))
                 atexit.register(shutil.rmtree, self._scratch, ignore_errors=True)
-            path = self._scratch / key
-        path.mkdir(parents=True, exist_ok=True)
+            path = self._scratch / f"{key}-{uuid.uuid4().hex[:8]}"
+        path.mkdir(parents=True)
         return path
+
+
+@dataclass
+class EntryInfo:
+    key: str
+    path: Path
+    size: int
+    created: float
+    last_used: float
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _entry_files(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.name != META)
+
+
+class DiskCache:
+    """One cache root. Every failure to write degrades to "no disk cache" with a warning."""
+
+    _warned: set[str] = set()
+    _instances: dict[str, DiskCache] = {}
+    _instances_lock = threading.Lock()
+
+    def __init__(self, root: str | os.PathLike, size_limit: int) -> None:
+        self.root = Path(root).expanduser()
+        self.base = self.root / FORMAT
+        self.size_limit = size_limit
+        self.usable = True
+        self.hits = self.misses = self.writes = self.evictions = self.repairs = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def get(cls, root: str | os.PathLike, size_limit: int) -> DiskCache:
+        """The process-wide handle for a root (counts accumulate per root)."""
+        key = str(Path(root).expanduser().resolve())
+        with cls._instances_lock:
+            cache = cls._instances.get(key)
+            if cache is None:
+                cache = cls._instances[key] = DiskCache(root, size_limit)
+                atexit.register(cache.write_last_run)
+            cache.size_limit = size_limit
+            return cache
+
+    # -- degradation ------------------------------------------------------------------
+    def _degrade(self, what: str, error: BaseException) -> None:
+        self.usable = False
+        msg = (f"qaic: the compile cache at {self.root} is not usable ({what}: {error}); "
+               "compiling without the persistent cache")
+        if msg not in self._warned:
+            self._warned.add(msg)
+            logger.warning(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=4)
+
+    def _warn_once(self, msg: str) -> None:
+        if msg not in self._warned:
+            self._warned.add(msg)
+            logger.warning(msg)
+
+    # -- paths ------------------------------------------------------------------------
+    def entry_dir(self, key: str) -> Path:
+        return self.base / key[:2] / key
+
+    # -- read ------------------------------------------------------------------------
+    def lookup(self, key: str) -> Path | None:
+        """The verified entry for ``key``, or None. A damaged entry is removed."""
+        path = self.entry_dir(key)
+        meta_path = path / META
+        if not meta_path.exists():
+            return None
+        problem = self._verify(path, meta_path)
+        if problem is not None:
+            self._warn_once(f"qaic: cache entry {key[:12]} is damaged ({problem}); recompiling it")
+            self.discard(key)
+            self.repairs += 1
+            return None
+        try:
+            os.utime(meta_path)  # last use, for LRU eviction
+        except OSError:
+            pass  # a read-only cache still serves hits
+        return path
+
+    def _verify(self, path: Path, meta_path: Path) -> str | None:
+        try:
+            meta = json.loads(meta_path.read_text())
+            files = meta["files"]
+        except (OSError, ValueError, KeyError) as e:
+            return f"unreadable {META}: {e}"
+        for name, want in files.items():
+            f = path / name
+            try:
+                if f.stat().st_size != want["size"]:
+                    return f"{name} has {f.stat().st_size} bytes, expected {want['size']}"
+                if _sha256(f) != want["sha256"]:
+                    return f"{name} fails its checksum"
+            except OSError as e:
+                return f"{name}: {e}"
+        return None
+
+    def discard(self, key: str) -> None:
+        """Remove an entry (renamed aside first, so readers never see half of it)."""
+        path = self.entry_dir(key)
+        try:
+            trash = self.base / "tmp" / f"trash-{key[:12]}-{uuid.uuid4().hex[:8]}"
+            trash.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(path, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            self._degrade("could not remove a damaged entry", e)
+
+    # -- write -----------------------------------------------------------------------
+    def new_tmp_dir(self, key: str) -> Path | None:
+        """A private directory to lower into, or None if the cache cannot be written."""
+        if not self.usable:
+            return None
+        try:
+            tmp = self.base / "tmp"
+            tmp.mkdir(parents=True, exist_ok=True)
+            self._sweep_tmp(tmp)
+            path = tmp / f"{key[:12]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            path.mkdir()
+            return path
+        except OSError as e:
+            self._degrade("cannot write", e)
+            return None
+
+    def commit(self, key: str, tmp: Path) -> Path:
+        """Move a finished entry into place; returns the entry that is in place."""
+        final = self.entry_dir(key)
+        try:
+            files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+                     for p in _entry_files(tmp)}
+            meta = {"key": key, "created": time.time(), "files": files, "format": FORMAT}
+            (tmp / META).write_text(json.dumps(meta, indent=1, sort_keys=True))
+            with open(tmp / META, "rb+") as f:
+                os.fsync(f.fileno())
+            final.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.rename(tmp, final)  # atomic; fails if another process got there first
+            except OSError:
+                if self.lookup(key) is not None:
+                    shutil.rmtree(tmp, ignore_errors=True)  # theirs is valid: keep it
+                    return final
+                os.rename(tmp, final)  # theirs was damaged and has been removed
+
+            self.writes += 1
+            return final
+        except OSError as e:
+            self._degrade("cannot write", e)
+            return tmp  # still a complete artifact for this process
+
+    @contextlib.contextmanager
+    def lock(self, key: str, timeout: float = 600.0) -> Iterator[None]:
+        """Hold the compile lock for ``key`` (kernel-released if the holder dies)."""
+        from filelock import FileLock, Timeout
+
+        if not self.usable:
+            yield
+            return
+        try:
+            lock_dir = self.base / "locks"
+            lock_dir.mkdir(parents=True, exist_ok=True)
+            lock = FileLock(str(lock_dir / f"{key}.lock"), timeout=timeout)
+            lock.acquire()
+        except Timeout as e:  # a live holder for too long: compile anyway, the rename is safe
+            self._warn_once(f"qaic: waited {timeout:.0f}s for another process compiling {key[:12]}; compiling too")
+            logger.debug("lock timeout: %s", e)
+            yield
+            return
+        except OSError as e:
+            self._degrade("cannot create locks", e)
+            yield
+            return
+        try:
+            yield
+        finally:
+            lock.release()
+
+    def _sweep_tmp(self, tmp: Path) -> None:
+        now = time.time()
+        for p in tmp.iterdir():
+            try:
+                if now - p.stat().st_mtime > STALE_TMP_SECONDS:
+                    shutil.rmtree(p, ignore_errors=True)
+            except OSError:
+                pass
+
+    # -- inventory, eviction ------------------------------------------------------------
+    def entries(self) -> list[EntryInfo]:
+        out = []
+        if not self.base.exists():
+            return out
+        for meta_path in self.base.glob(f"??/*/{META}"):
+            path = meta_path.parent
+            try:
+                meta = json.loads(meta_path.read_text())
+                size = sum(v["size"] for v in meta["files"].values()) + meta_path.stat().st_size
+                out.append(EntryInfo(path.name, path, size, float(meta.get("created", 0)), meta_path.stat().st_mtime))
+            except (OSError, ValueError, KeyError):
+                out.append(EntryInfo(path.name, path, 0, 0.0, 0.0))
+        return out
+
+    def size(self) -> int:
+        return sum(e.size for e in self.entries())
+
+    def evict(self, keep: str | None = None) -> int:
+        """Remove least recently used entries until the cache fits its size limit
+        (never ``keep``, the entry just written)."""
+        entries = sorted(self.entries(), key=lambda e: e.last_used)
+        total = sum(e.size for e in entries)
+        removed = 0
+        for e in entries:
+            if total <= self.size_limit:
+                break
+            if e.key == keep:
+                continue
+            self.discard(e.key)
+            total -= e.size
+            removed += 1
+        self.evictions += removed
+        return removed
+
+    def clear(self) -> int:
+        n = len(self.entries())
+        shutil.rmtree(self.base, ignore_errors=True)
+        return n
+
+    # -- the last run's counts -----------------------------------------------------------
+    def write_last_run(self) -> None:
+        if not (self.hits or self.misses or self.writes) or not self.usable:
+            return
+        try:
+            self.base.mkdir(parents=True, exist_ok=True)
+            data = {"pid": os.getpid(), "time": time.time(), "hits": self.hits, "misses": self.misses,
+                    "writes": self.writes, "evictions": self.evictions, "repairs": self.repairs}
+            tmp = self.base / f".last_run.{os.getpid()}.json"
+            tmp.write_text(json.dumps(data, indent=1))
+            os.replace(tmp, self.base / "last_run.json")
+        except OSError:
+            pass
+
+    def last_run(self) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.base / "last_run.json").read_text())
+        except (OSError, ValueError):
+            return None
 
 
 artifact_cache = ArtifactCache()

@@ -74,6 +74,24 @@ class CompilationConfig:
         default=None,
         metadata=_doc("ONNX Runtime intra-op threads. Default: torch.get_num_threads()."),
     )
+    cache: bool = field(
+        default=True,
+        metadata=_doc(
+            "Keep compiled artifacts on disk so a later process skips their export. "
+            "QAIC_DYNAMO_DISABLE_CACHE=1 turns it off."
+        ),
+    )
+    cache_dir: str | None = field(
+        default=None,
+        metadata=_doc(
+            "Root of the persistent cache. Default: $QAIC_DYNAMO_CACHE_DIR, else "
+            "$XDG_CACHE_HOME/qaic_dynamo, else ~/.cache/qaic_dynamo."
+        ),
+    )
+    cache_size_limit: int = field(
+        default=5 * 2**30,
+        metadata=_doc("Bytes the persistent cache may hold; least recently used entries are evicted past it."),
+    )
     progress: bool = field(
         default=False,
         metadata=_doc("Show a progress bar over the pieces while a graph compiles (tqdm, on stderr)."),
@@ -96,6 +114,14 @@ class CompilationConfig:
         _check_choice("opset", self.opset, OPSETS)
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ConfigError(f"qaic option 'num_threads' must be a positive int or None, got {self.num_threads!r}")
+        if not isinstance(self.cache, bool):
+            raise ConfigError(f"qaic option 'cache' must be True or False, got {self.cache!r}")
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
+            raise ConfigError(f"qaic option 'cache_dir' must be a path or None, got {self.cache_dir!r}")
+        if isinstance(self.cache_size_limit, bool) or not isinstance(self.cache_size_limit, int) or self.cache_size_limit < 0:
+            raise ConfigError(
+                f"qaic option 'cache_size_limit' must be a non-negative number of bytes, got {self.cache_size_limit!r}"
+            )
         if not isinstance(self.progress, bool):
             raise ConfigError(f"qaic option 'progress' must be True or False, got {self.progress!r}")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
@@ -135,13 +161,28 @@ class CompilationConfig:
         )
 
 
+    def resolved_cache_dir(self) -> str:
+        """The cache root: the option, else the environment's choice (see cache_dir)."""
+        return str(self.cache_dir) if self.cache_dir is not None else default_cache_dir()
+
+
+def default_cache_dir() -> str:
+    """$QAIC_DYNAMO_CACHE_DIR, else $XDG_CACHE_HOME/qaic_dynamo, else ~/.cache/qaic_dynamo."""
+    if os.environ.get("QAIC_DYNAMO_CACHE_DIR"):
+        return os.environ["QAIC_DYNAMO_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "qaic_dynamo")
+
+
 def _environment_defaults() -> dict[str, Any]:
-    """The one place environment variables are read."""
+    """The one place environment variables are read (with default_cache_dir)."""
     env: dict[str, Any] = {}
     if os.environ.get("QAIC_DYNAMO_DUMP_DIR"):
         env["dump_dir"] = os.environ["QAIC_DYNAMO_DUMP_DIR"]
     if os.environ.get("QAIC_DYNAMO_FALLBACK"):
         env["fallback"] = os.environ["QAIC_DYNAMO_FALLBACK"]
+    if os.environ.get("QAIC_DYNAMO_DISABLE_CACHE", "").strip().lower() in ("1", "true", "yes", "on"):
+        env["cache"] = False
     return env
 
 

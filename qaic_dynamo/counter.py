@@ -40,6 +40,10 @@ class CompilationCounter:
     num_runtime_sessions: int = 0
     #: Pieces that run eagerly because they could not be lowered or run.
     num_eager_fallbacks: int = 0
+    #: Unique pieces loaded from the persistent cache instead of being lowered.
+    num_disk_cache_hits: int = 0
+    #: Unique pieces written to the persistent cache.
+    num_disk_cache_writes: int = 0
 
     def snapshot(self) -> CompilationCounter:
         return dataclasses.replace(self)

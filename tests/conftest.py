@@ -9,6 +9,13 @@ import qaic_dynamo  # noqa: F401  (registers torch.ops.qaic)
 
 
 @pytest.fixture(autouse=True)
+def _private_compile_cache(tmp_path, monkeypatch):
+    """Every test gets an empty persistent cache of its own (never the user's)."""
+    monkeypatch.setenv("QAIC_DYNAMO_CACHE_DIR", str(tmp_path / "qaic-cache"))
+    monkeypatch.delenv("QAIC_DYNAMO_DISABLE_CACHE", raising=False)
+
+
+@pytest.fixture(autouse=True)
 def _reset_dynamo():
     """Every test starts from a clean Dynamo state (no cached frames, no guards) and an
     empty in-process artifact cache, so compilation counts do not depend on test order."""

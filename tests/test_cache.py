@@ -1,0 +1,216 @@
+"""The persistent compile cache: warm starts, invalidation, damage, concurrency, eviction."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from qaic_dynamo import compilation_counter
+from qaic_dynamo.cache import DiskCache, artifact_cache
+from qaic_dynamo.config import CompilationConfig
+from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM
+
+from harness import Driver
+
+HERE = Path(__file__).parent
+PROMPTS = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38, 46, 26, 43]]
+
+
+def child(cache_dir, *args):
+    proc = subprocess.run([sys.executable, str(HERE / "cache_child.py"), str(cache_dir), *map(str, args)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def entries(root):
+    return sorted(p.parent.name for p in Path(root).glob("v1/??/*/meta.json"))
+
+
+def leftovers(root):
+    tmp = Path(root) / "v1" / "tmp"
+    return sorted(p.name for p in tmp.iterdir()) if tmp.exists() else []
+
+
+def compile_once(cache_dir, layers=3, **options):
+    """Compile and run in this process, as a fresh start (no Dynamo or memory state)."""
+    torch._dynamo.reset()
+    artifact_cache.clear_memory()
+    torch.manual_seed(0)
+    model = QaicLlamaForCausalLM(QaicLlamaConfig(num_hidden_layers=layers)).eval()
+    compiled = torch.compile(model, backend="qaic", options={"cache_dir": str(cache_dir), **options})
+    with torch.no_grad():
+        out = Driver(model, PROMPTS).step(compiled, PROMPTS)
+        ref = Driver(model, PROMPTS).step(model, PROMPTS)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+    return out
+
+
+def test_cold_then_warm_in_fresh_processes(tmp_path):
+    cold = child(tmp_path)
+    warm = child(tmp_path)
+    assert (cold["num_onnx_exports"], cold["num_disk_cache_writes"], cold["num_disk_cache_hits"]) == (3, 3, 0)
+    assert (warm["num_onnx_exports"], warm["num_backend_compilations"], warm["num_disk_cache_hits"]) == (0, 0, 3)
+    assert warm["logits_sha256"] == cold["logits_sha256"], "a warm start gives the cold start's outputs"
+    assert warm["max_diff_vs_eager"] < 1e-4
+    assert len(entries(tmp_path)) == 3 and not leftovers(tmp_path)
+    stats = DiskCache(tmp_path, 1 << 30).last_run()
+    assert stats is not None and (stats["hits"], stats["misses"]) == (3, 0), stats
+
+
+def test_config_change_misses(tmp_path):
+    compile_once(tmp_path)
+    with compilation_counter.expect(num_onnx_exports=3, num_disk_cache_hits=0, num_disk_cache_writes=3):
+        compile_once(tmp_path, opset=19)  # a field in the config hash
+    with compilation_counter.expect(num_onnx_exports=0, num_disk_cache_hits=3):
+        compile_once(tmp_path, dump_dir=str(tmp_path / "dump"))  # not an artifact field: hits
+    assert len(entries(tmp_path)) == 6
+
+
+def test_library_version_change_misses(tmp_path, monkeypatch):
+    from qaic_dynamo import fingerprint
+
+    compile_once(tmp_path)
+    bumped = dict(fingerprint.library_versions(), onnxruntime="99.0")
+    monkeypatch.setattr(fingerprint, "library_versions", lambda: bumped)
+    with compilation_counter.expect(num_onnx_exports=3, num_disk_cache_hits=0):
+        compile_once(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "meta"])
+def test_damaged_entry_is_detected_replaced_and_logged_once(tmp_path, damage, caplog):
+    compile_once(tmp_path)
+    victim = Path(tmp_path, "v1", entries(tmp_path)[0][:2], entries(tmp_path)[0])
+    model = victim / "model.onnx"
+    if damage == "truncate":
+        model.write_bytes(model.read_bytes()[:100])
+    elif damage == "flip":
+        data = bytearray(model.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        model.write_bytes(bytes(data))
+    else:
+        (victim / "meta.json").write_text("{not json")
+    with compilation_counter.expect(num_onnx_exports=1, num_disk_cache_hits=2, num_disk_cache_writes=1):
+        compile_once(tmp_path)
+    assert sum("is damaged" in r.message for r in caplog.records) == 1
+    assert DiskCache(tmp_path, 1 << 30).lookup(victim.name) is not None, "replaced by a valid entry"
+    assert len(entries(tmp_path)) == 3 and not leftovers(tmp_path)
+
+
+def test_unwritable_cache_degrades_with_one_warning(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.warns(RuntimeWarning, match="compile cache at .* is not usable.*compiling without the persistent cache"):
+        with compilation_counter.expect(num_onnx_exports=3, num_disk_cache_writes=0):
+            compile_once(blocker / "cache")
+
+
+def test_full_disk_degrades_with_one_warning(tmp_path, monkeypatch):
+    real_rename = os.rename
+
+    def no_space(src, dst):
+        if "v1" in str(dst):
+            raise OSError(28, "No space left on device")
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", no_space)
+    with pytest.warns(RuntimeWarning, match="No space left on device"):
+        compile_once(tmp_path)
+    assert entries(tmp_path) == []
+
+
+def test_disabled_cache_writes_nothing(tmp_path, monkeypatch):
+    compile_once(tmp_path, cache=False)
+    assert entries(tmp_path) == []
+    monkeypatch.setenv("QAIC_DYNAMO_DISABLE_CACHE", "1")
+    compile_once(tmp_path)
+    assert entries(tmp_path) == []
+
+
+def test_cache_location_precedence(tmp_path, monkeypatch):
+    monkeypatch.delenv("QAIC_DYNAMO_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert CompilationConfig().resolved_cache_dir() == str(tmp_path / "home" / ".cache" / "qaic_dynamo")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert CompilationConfig().resolved_cache_dir() == str(tmp_path / "xdg" / "qaic_dynamo")
+    monkeypatch.setenv("QAIC_DYNAMO_CACHE_DIR", str(tmp_path / "env"))
+    assert CompilationConfig().resolved_cache_dir() == str(tmp_path / "env")
+    assert CompilationConfig(cache_dir=str(tmp_path / "opt")).resolved_cache_dir() == str(tmp_path / "opt")
+
+
+def test_concurrent_writers_leave_one_valid_entry_each(tmp_path):
+    procs = [subprocess.Popen([sys.executable, str(HERE / "cache_child.py"), str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert len({r["logits_sha256"] for r in results}) == 1
+    assert all(r["max_diff_vs_eager"] < 1e-4 for r in results)
+    assert sum(r["num_disk_cache_writes"] for r in results) == 3, "each unique piece written once"
+    assert len(entries(tmp_path)) == 3 and not leftovers(tmp_path)
+    cache = DiskCache(tmp_path, 1 << 30)
+    assert all(cache.lookup(k) is not None for k in entries(tmp_path))
+
+
+def test_lock_of_a_killed_process_does_not_block(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from qaic_dynamo.cache import DiskCache\n"
+        f"c = DiskCache({str(tmp_path)!r}, 1 << 30)\n"
+        "with c.lock('k' * 64):\n"
+        "    print('locked', flush=True); time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    t0 = time.perf_counter()
+    with DiskCache(tmp_path, 1 << 30).lock("k" * 64, timeout=30):
+        pass
+    assert time.perf_counter() - t0 < 5
+
+
+def test_lru_eviction_keeps_the_cache_bounded(tmp_path):
+    compile_once(tmp_path)
+    cache = DiskCache(tmp_path, 1 << 30)
+    sizes = {e.key: e.size for e in cache.entries()}
+    oldest, *rest = sorted(cache.entries(), key=lambda e: e.last_used)
+    # Make one entry clearly the least recently used, then allow all but one.
+    os.utime(oldest.path / "meta.json", (1, 1))
+    for i, e in enumerate(rest):
+        os.utime(e.path / "meta.json", (1000 + i, 1000 + i))
+    cache.size_limit = sum(sizes.values()) - 1
+    assert cache.evict() == 1
+    assert oldest.key not in entries(tmp_path) and len(entries(tmp_path)) == 2
+
+
+def test_tiny_limit_still_compiles_correctly(tmp_path):
+    compile_once(tmp_path, cache_size_limit=1)  # every older entry is evicted as new ones land
+    assert len(entries(tmp_path)) == 1
+
+
+def test_cli_info_list_clear(tmp_path):
+    child(tmp_path)
+
+    def cli(*args):
+        proc = subprocess.run([sys.executable, "-m", "qaic_dynamo", "cache", *args, "--cache-dir", str(tmp_path)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    info = cli("info")
+    assert f"location  {tmp_path}" in info and "entries   3" in info
+    assert "last run  3 misses, 0 hits, 3 written" in info
+    listing = cli("list").strip().splitlines()
+    assert listing[0].split() == ["key", "size", "created", "last", "used"]
+    assert len(listing) == 4 and all(len(line.split()[0]) == 12 for line in listing[1:])
+    assert "removed 3 entries" in cli("clear")
+    assert entries(tmp_path) == []
