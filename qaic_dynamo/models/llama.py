@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 from qaic_dynamo.forward_context import FROM_FORWARD_CONTEXT
 
-__all__ = ["QaicLlamaConfig", "QaicLlamaForCausalLM"]
+__all__ = ["QaicCausalLM", "QaicDecoderLayer", "QaicLlamaConfig", "QaicLlamaForCausalLM"]
 
 
 @dataclass
@@ -78,31 +79,37 @@ class QaicAttention(nn.Module):
 
 
 class QaicDecoderLayer(nn.Module):
-    def __init__(self, cfg: QaicLlamaConfig, layer_name: str) -> None:
+    """Pre-norm decoder layer: attention (any qaic attention module) + SwiGLU MLP."""
+
+    def __init__(self, cfg: Any, attention: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.self_attn = QaicAttention(cfg, layer_name)
+        self.self_attn = attention
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Any = None) -> torch.Tensor:
+        x = x + (attn or self.self_attn)(self.input_layernorm(x), cos, sin)
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
 
-class QaicLlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: QaicLlamaConfig) -> None:
+class QaicCausalLM(nn.Module):
+    """What the reference models share: embedding, decoder layers, final norm, head, RoPE,
+    and the surface the engine drives (vocab_size, kv_cache_layers, kv_cache_shapes)."""
+
+    def __init__(self, cfg: Any, attention_cls: type[nn.Module], rope_dim: int) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            QaicDecoderLayer(cfg, f"model.layers.{i}.self_attn") for i in range(cfg.num_hidden_layers)
+            QaicDecoderLayer(cfg, attention_cls(cfg, f"model.layers.{i}.self_attn"))
+            for i in range(cfg.num_hidden_layers)
         )
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     @property
@@ -120,23 +127,34 @@ class QaicLlamaForCausalLM(nn.Module):
             attn = layer.self_attn
             attn.kv_update_name = FROM_FORWARD_CONTEXT if agnostic else attn.layer_name
 
+    def kv_cache_shapes(self, num_blocks: int, block_size: int) -> dict[str, tuple[tuple[int, ...], ...]]:
+        raise NotImplementedError
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin as [T, 1, rope_dim]: broadcast over heads."""
+        freqs = positions.unsqueeze(-1).to(torch.float32) * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rope(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        if logits_indices is not None:  # only the rows we sample from
+            x = x[logits_indices]
+        return self.lm_head(self.norm(x))
+
+
+class QaicLlamaForCausalLM(QaicCausalLM):
+    def __init__(self, cfg: QaicLlamaConfig) -> None:
+        super().__init__(cfg, QaicAttention, cfg.head_dim)
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         return (num_blocks, self.config.num_key_value_heads, block_size, self.config.head_dim)
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> dict[str, tuple[tuple[int, ...], ...]]:
         shape = self.kv_cache_shape(num_blocks, block_size)
         return {name: (shape, shape) for name in self.kv_cache_layers}
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        freqs = positions.unsqueeze(-1).to(torch.float32) * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().to(x.dtype).unsqueeze(1)  # [T, 1, head_dim], broadcast over heads
-        sin = emb.sin().to(x.dtype).unsqueeze(1)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        if logits_indices is not None:  # only the rows we sample from
-            x = x[logits_indices]
-        return self.lm_head(self.norm(x))

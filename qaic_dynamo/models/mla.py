@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qaic_dynamo.forward_context import FROM_FORWARD_CONTEXT
-from qaic_dynamo.models.llama import rotate_half
+from qaic_dynamo.models.llama import QaicCausalLM, rotate_half
 
 __all__ = ["QaicMLAConfig", "QaicMLAForCausalLM"]
 
@@ -97,76 +97,20 @@ class QaicMLAttention(nn.Module):
         return self.o_proj(o.transpose(0, 1).reshape(-1, self.h * self.v))
 
 
-class QaicMLADecoderLayer(nn.Module):
-    def __init__(self, cfg: QaicMLAConfig, layer_name: str) -> None:
-        super().__init__()
-        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.self_attn = QaicMLAttention(cfg, layer_name)
-        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x, cos, sin, naive: bool = False):
-        attn = self.self_attn.naive if naive else self.self_attn
-        x = x + attn(self.input_layernorm(x), cos, sin)
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
-
-
-class QaicMLAForCausalLM(nn.Module):
+class QaicMLAForCausalLM(QaicCausalLM):
     def __init__(self, cfg: QaicMLAConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            QaicMLADecoderLayer(cfg, f"model.layers.{i}.self_attn") for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        rope = cfg.qk_rope_head_dim
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, rope, 2, dtype=torch.float32) / rope))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def kv_cache_layers(self) -> list[str]:
-        return [layer.self_attn.layer_name for layer in self.layers]
-
-    def set_layer_agnostic_kv_update(self, agnostic: bool) -> None:
-        self.config.layer_agnostic_kv_update = agnostic
-        for layer in self.layers:
-            attn = layer.self_attn
-            attn.kv_update_name = FROM_FORWARD_CONTEXT if agnostic else attn.layer_name
+        super().__init__(cfg, QaicMLAttention, cfg.qk_rope_head_dim)
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> dict[str, tuple[tuple[int, ...], ...]]:
         c = self.config
         shapes = ((num_blocks, 1, block_size, c.kv_lora_rank), (num_blocks, 1, block_size, c.qk_rope_head_dim))
         return {name: shapes for name in self.kv_cache_layers}
 
-    def _rope(self, positions, dtype):
-        freqs = positions.unsqueeze(-1).to(torch.float32) * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        cos, sin = self._rope(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        if logits_indices is not None:
-            x = x[logits_indices]
-        return self.lm_head(self.norm(x))
-
     @torch.no_grad()
     def reference_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The same model computed naively for one sequence (no caches, no qaic ops)."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self._rope(torch.arange(input_ids.numel()), x.dtype)
+        cos, sin = self.rope(torch.arange(input_ids.numel()), x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, naive=True)
+            x = layer(x, cos, sin, attn=layer.self_attn.naive)
         return self.lm_head(self.norm(x))
