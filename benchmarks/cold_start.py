@@ -180,6 +180,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--results-dir", type=Path, default=None)
     ap.add_argument("--tag", default="", help="suffix for the result files (e.g. 'warm')")
+    ap.add_argument("--merge", type=Path, default=None,
+                    help="an earlier result JSON whose samples are added; a (method, depth) measured now keeps the new samples")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.layers[0], args.hidden_size, args.vocab)))
@@ -212,32 +214,49 @@ def main() -> None:
                 print(f"  [{r + 1}] {m:>9} L={L:<3} first call {s['first_call_s']:7.2f} s"
                       f"{extra} (process {time.perf_counter() - t0:.0f} s)", flush=True)
 
-    med = {m: {L: median_of(samples[m][L], "first_call_s") for L in layers} for m in args.methods}
+    methods = list(args.methods)
+    if args.merge is not None:  # e.g. add a separate warm-start run to the full run
+        old = json.loads(args.merge.read_text())
+        layers = sorted(set(layers) | {int(L) for by_l in old["samples"].values() for L in by_l})
+        for m, by_l in old["samples"].items():
+            mine = samples.setdefault(m, {})
+            for L, v in by_l.items():
+                if not mine.get(int(L)):  # a (method, depth) measured now keeps its new samples
+                    mine[int(L)] = v
+            if m not in methods:
+                methods.append(m)
+        for m in samples:
+            for L in layers:
+                samples[m].setdefault(L, [])
+        methods = [m for m in METHODS if m in methods]
+    med = {m: {L: median_of(samples[m][L], "first_call_s") for L in layers} for m in methods}
     rows = []
     for L in layers:
         row = [L]
-        for m in args.methods:
-            row.append(med[m][L])
+        for m in methods:
+            row.append(med[m][L] if med[m][L] is not None else "-")
         q = samples.get("qaic", {}).get(L)
         row.append(median_of(q, "unique_pieces") if q else "-")
         row.append(median_of(q, "onnx_exports") if q else "-")
         w = samples.get("warm", {}).get(L)
         row.append(median_of(w, "onnx_exports") if w else "-")
         rows.append(row)
-    table = markdown_table(["layers"] + [f"{m} (s)" for m in args.methods] + ["qaic unique pieces", "qaic ONNX exports", "warm ONNX exports"],
+    table = markdown_table(["layers"] + [f"{m} (s)" for m in methods] + ["qaic unique pieces", "qaic ONNX exports", "warm ONNX exports"],
                            rows)
     split_rows = []
     for m in ("qaic", "warm", "per-layer", "inductor", "floor"):
         if m in samples:
             for L in layers:
-                split_rows.append([m, L, median_of(samples[m][L], "dynamo_s"), median_of(samples[m][L], "backend_s")])
+                if samples[m][L]:
+                    split_rows.append([m, L, median_of(samples[m][L], "dynamo_s"), median_of(samples[m][L], "backend_s")])
     split_table = markdown_table(["method", "layers", "Dynamo trace (s)", "backend (s)"], split_rows)
 
-    lo, hi = min(layers), max(layers)
+    # Flatness is measured from 2 layers (the definition), else the shallowest.
+    lo, hi = (2 if 2 in layers else min(layers)), max(layers)
     ratios, verdicts = {}, {}
 
     def ratio(name, num, den):
-        if num is not None and den:
+        if num is not None and den is not None and den > 0:
             ratios[name] = num / den
             verdicts[name] = TARGETS[name][1](ratios[name])
 
@@ -246,7 +265,7 @@ def main() -> None:
         ratio("per_layer", med.get("per-layer", {}).get(hi), med["qaic"][hi])
         ratio("inductor", med.get("inductor", {}).get(hi), med["qaic"][hi])
         ratio("onnx", med.get("onnx", {}).get(hi), med["qaic"][hi])
-        if "floor" in med:
+        if "floor" in med and med["floor"][hi] is not None:
             piece = median_of(samples["qaic"][hi], "max_piece_lowering_s") or 0.0
             ratio("floor", med["qaic"][hi], med["floor"][hi] + piece)
     if "warm" in med and "floor" in med:
@@ -263,7 +282,7 @@ def main() -> None:
     suffix = ("_smoke" if args.smoke else ("_quick" if args.quick else "")) + (f"_{args.tag}" if args.tag else "")
     out_dir = args.results_dir
     path = save_results(f"cold_start{suffix}", {
-        "layers": layers, "methods": args.methods, "repeats": repeats, "expensive_repeats": exp_repeats, "hidden": hidden, "vocab": vocab,
+        "layers": layers, "methods": methods, "repeats": repeats, "expensive_repeats": exp_repeats, "hidden": hidden, "vocab": vocab,
         "median_first_call_s": med, "ratios": ratios, "targets_met": verdicts,
         "samples": samples}, md, out_dir)
     plot(med, layers, path.with_suffix(".png"))
@@ -279,6 +298,8 @@ def plot(med: dict, layers: list[int], png: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for m, by_l in med.items():
         xs = [L for L in layers if by_l.get(L) is not None]
+        if not xs:
+            continue
         ax.plot(xs, [by_l[L] for L in xs], marker="o", label=m)
     ax.set_xscale("log", base=2)
     ax.set_xticks(layers, [str(L) for L in layers])
