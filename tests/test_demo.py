@@ -23,4 +23,5 @@ def test_demo_runs_and_matches_eager(model):
     assert rows["pieces reused"] == "1"  # 4 compilable pieces: first, 2 middle, last
     assert rows["eager fallbacks"] == "0"
     assert rows["greedy tokens identical"] == "yes"
+    assert "3 pieces loaded from disk, 0 exports" in rows["restart, persistent cache (s)"]
     assert float(rows["max |logit - eager logit|"]) < 1e-3
