@@ -103,6 +103,19 @@ at::Tensor unified_mla_attention(
       at::cat({q_latent, q_pe}, -1), c[0], c[0], c[1], scale, std::nullopt, op);
 }
 
+// The functional form of reshape_and_cache: updated copies of both caches, inputs left
+// alone. Lowering puts it in place of each cache-update op so that an exported graph is
+// pure (ONNX has no in-place ops); its ONNX translation is KVCacheScatter. The runtime
+// never calls it: retained state makes the ONNX update in place.
+std::tuple<at::Tensor, at::Tensor> kv_cache_scatter(
+    const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+    const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  at::Tensor k = key_cache.clone(at::MemoryFormat::Contiguous);
+  at::Tensor v = value_cache.clone(at::MemoryFormat::Contiguous);
+  reshape_and_cache(key, value, k, v, slot_mapping);
+  return {k, v};
+}
+
 std::vector<at::Tensor> caches_of(const ResolvedLayer& r) {
   return *r.caches;
 }
@@ -113,6 +126,9 @@ TORCH_LIBRARY(qaic, m) {
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
       "Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
+  m.def(
+      "kv_cache_scatter(Tensor key, Tensor value, Tensor key_cache, Tensor value_cache, "
+      "Tensor slot_mapping) -> (Tensor, Tensor)");
   m.def("unified_kv_cache_update(Tensor key, Tensor value, str layer_name) -> Tensor");
   m.def(
       "unified_mla_kv_cache_update(Tensor kv_c_normed, Tensor k_pe, str layer_name) "
@@ -128,6 +144,7 @@ TORCH_LIBRARY(qaic, m) {
 
 TORCH_LIBRARY_IMPL(qaic, CPU, m) {
   m.impl("reshape_and_cache", &reshape_and_cache);
+  m.impl("kv_cache_scatter", &kv_cache_scatter);
   m.impl("unified_kv_cache_update", &unified_kv_cache_update);
   m.impl("unified_mla_kv_cache_update", &unified_mla_kv_cache_update);
   m.impl("unified_attention", &unified_attention);

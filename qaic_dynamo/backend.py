@@ -5,23 +5,24 @@
 ``setup.py`` registers :func:`qaic_backend` in the ``torch_dynamo_backends`` entry-point
 group, so this works in an interpreter that never imported qaic_dynamo.
 
-For each Dynamo graph the backend runs, in one direction:
+The backend only orchestrates; each stage is a module of its own and data flows one way:
 
-    partition (split at attention) -> fingerprint (structural key) -> cache (memory)
-    -> lowering (FX piece -> ONNX) -> runtime (ONNX Runtime with IOBinding)
+    partition (split at splitting ops) -> fingerprint (structural key)
+    -> cache (memory, then disk; get-or-compile) -> lowering (FX piece -> ONNX)
+    -> artifact (on-disk format, load) -> runtime (ONNX Runtime with IOBinding)
 
-and returns the split graph with each compilable piece replaced by a runner. Results stay
-inspectable: :func:`last_compile_report` lists every piece with its fingerprint, whether
-it was reused, the seconds its lowering took, why the split happened there and any
-fallback reason; the same table is logged to ``logging.getLogger("qaic_dynamo")``.
+It returns the split graph with each compilable piece replaced by a runner. Results stay
+inspectable: :func:`last_compile_report` lists every piece with its kind, why the split
+put it there, its fingerprint, where its artifact came from (lowered, memory, disk or
+failed), the seconds it took and any fallback reason; the same table is logged to
+``logging.getLogger("qaic_dynamo")``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import shutil
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -34,13 +35,14 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 
-from qaic_dynamo.cache import DiskCache, artifact_cache
+from qaic_dynamo.artifact import ONNX_FILE
+from qaic_dynamo.cache import DiskCache, Source, artifact_cache
 from qaic_dynamo.config import CompilationConfig, ConfigError
 from qaic_dynamo.counter import compilation_counter
 from qaic_dynamo.fingerprint import fingerprint
-from qaic_dynamo.lowering import ONNX_FILE, LoweringError, lower_piece
-from qaic_dynamo.partition import Piece, split_graph
-from qaic_dynamo.runtime import QAIC_COMPILE, PieceRunner, load, qaic_compile, qaic_sdk_available, warn_fallback
+from qaic_dynamo.lowering import LoweringError, lower_piece
+from qaic_dynamo.partition import Piece, PieceKind, SplitReason, split_graph
+from qaic_dynamo.runtime import QAIC_COMPILE, PieceRunner, qaic_compile, qaic_sdk_available, warn_fallback
 
 __all__ = ["GraphReport", "PieceReport", "QaicBackend", "compile_reports", "last_compile_report", "qaic_backend"]
 
@@ -51,16 +53,29 @@ logger = logging.getLogger("qaic_dynamo")
 class PieceReport:
     index: int
     name: str
-    kind: str  # "compiled", "splitting" or "eager"
-    reason: str  # why the split put this piece here
-    key: str | None = None  # fingerprint prefix
-    reused: bool | None = None
-    seconds: float = 0.0  # fingerprint + lowering + session, this piece
-    export_seconds: float = 0.0  # ONNX export + checks (0 when reused)
-    load_seconds: float = 0.0  # ONNX Runtime session creation (0 when reused)
-    disk_hit: bool = False  # loaded from the persistent cache (no export)
-    fallback: str | None = None
+    kind: PieceKind
+    reason: SplitReason
+    detail: str = ""  # the splitting op(s) and node(s) behind the reason
+    key: str | None = None  # fingerprint prefix (compilable pieces)
+    source: Source | None = None  # where the artifact came from (compilable pieces)
+    seconds: float = 0.0  # fingerprint + get-or-compile + runner, this piece
+    compile_seconds: float = 0.0  # lowering + checks (+ qaic-compile), when lowered here
+    load_seconds: float = 0.0  # ONNX Runtime session creation, when a session was made
+    fallback: str | None = None  # why it runs eagerly
     artifact: str | None = None  # artifact directory (readable path)
+
+    @property
+    def why(self) -> str:
+        return f"{self.reason.value} {self.detail}".strip()
+
+    @property
+    def reused(self) -> bool | None:
+        """True when an artifact already in memory served it; None for splitting pieces."""
+        return None if self.source is None else self.source is Source.MEMORY
+
+    @property
+    def runs_eagerly(self) -> bool:
+        return self.kind is PieceKind.SPLITTING or self.fallback is not None
 
 
 @dataclass
@@ -76,50 +91,71 @@ class GraphReport:
         """The split GraphModule (runners in place of compiled pieces), while it is alive."""
         return self._module() if self._module is not None else None
 
+    def runners(self) -> list[PieceRunner]:
+        """The split graph's runners in piece order (empty once it is gone)."""
+        gm = self.split_module()
+        return [m for m in gm.children() if isinstance(m, PieceRunner)] if gm is not None else []
+
+    def _count(self, source: Source) -> int:
+        return sum(1 for p in self.pieces if p.source is source)
+
     @property
     def unique_compiled(self) -> int:
-        """Pieces lowered in this compile (not reused, not loaded from disk)."""
-        return sum(1 for p in self.pieces if p.kind == "compiled" and not p.reused and not p.disk_hit)
+        """Pieces lowered in this compile (new fingerprints)."""
+        return self._count(Source.LOWERED)
 
     @property
     def reused(self) -> int:
-        return sum(1 for p in self.pieces if p.reused)
+        return self._count(Source.MEMORY)
 
     @property
     def disk_hits(self) -> int:
-        return sum(1 for p in self.pieces if p.disk_hit)
+        return self._count(Source.DISK)
+
+    @property
+    def failed(self) -> int:
+        return self._count(Source.FAILED)
 
     def table(self) -> str:
         lines = [
             f"qaic graph {self.graph_index}: {len(self.pieces)} pieces, {self.unique_compiled} compiled, "
-            f"{self.reused} reused, {self.disk_hits} from disk; " + ", ".join(f"{k} {v:.3f}s" for k, v in self.seconds.items()),
-            f"{'#':>3} {'piece':<10} {'kind':<9} {'key':<12} {'reused':<6} {'seconds':>8}  why",
+            f"{self.reused} reused, {self.disk_hits} from disk, {self.failed} failed; "
+            + ", ".join(f"{k} {v:.3f}s" for k, v in self.seconds.items()),
+            f"{'#':>3} {'piece':<10} {'kind':<10} {'key':<12} {'source':<7} {'seconds':>8}  why",
         ]
         for p in self.pieces:
-            why = p.reason + (f"; FALLBACK: {p.fallback}" if p.fallback else "")
-            lines.append(
-                f"{p.index:>3} {p.name:<10} {p.kind:<9} {p.key or '-':<12} "
-                f"{'-' if p.reused is None else ('yes' if p.reused else ('disk' if p.disk_hit else 'no')):<6} "
-                f"{p.seconds:>8.3f}  {why}"
-            )
+            why = p.why + (f"; FALLBACK: {p.fallback}" if p.fallback else "")
+            source = "-" if p.source is None else p.source.value
+            lines.append(f"{p.index:>3} {p.name:<10} {p.kind.value:<10} {p.key or '-':<12} {source:<7} {p.seconds:>8.3f}  {why}")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+        pieces = [dict(asdict(p), reused=p.reused, why=p.why) for p in self.pieces]
+        return {"graph_index": self.graph_index, "config_hash": self.config_hash, "pieces": pieces, "seconds": self.seconds}
 
 
 _reports: list[GraphReport] = []
+_reports_lock = threading.Lock()
 
 
 def compile_reports() -> list[GraphReport]:
     """Reports of every graph this process compiled with the qaic backend, oldest first."""
-    return list(_reports)
+    with _reports_lock:
+        return list(_reports)
 
 
 def last_compile_report() -> GraphReport:
-    if not _reports:
-        raise RuntimeError("no graph has been compiled with backend='qaic' in this process yet")
-    return _reports[-1]
+    with _reports_lock:
+        if not _reports:
+            raise RuntimeError("no graph has been compiled with backend='qaic' in this process yet")
+        return _reports[-1]
+
+
+def _new_report(config_hash: str) -> GraphReport:
+    with _reports_lock:
+        report = GraphReport(len(_reports), config_hash[:12])
+        _reports.append(report)
+        return report
 
 
 def _fake_mode(example_values: Sequence[Any]) -> Any:
@@ -184,13 +220,13 @@ class QaicBackend:
             )
         self.config = config
         self.config_hash = config.compute_hash()
+        self.num_threads = config.num_threads or torch.get_num_threads()
         self.disk = DiskCache.get(config.resolved_cache_dir(), config.cache_size_limit) if config.cache else None
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
         t_start = time.perf_counter()
-        compilation_counter.num_graphs_seen += 1
-        report = GraphReport(len(_reports), self.config_hash[:12])
-        _reports.append(report)
+        compilation_counter.bump(num_graphs_seen=1)
+        report = _new_report(self.config_hash)
 
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         example_values = [
@@ -205,24 +241,20 @@ class QaicBackend:
         piece_args = _piece_example_args(gm, split.graph_module, example_values, fake_mode)
         report.seconds["propagate"] = time.perf_counter() - t0
 
-        fingerprint_s = lowering_s = 0.0
+        t0 = time.perf_counter()
         pieces = split.pieces
         if self.config.progress:
             from tqdm import tqdm
 
             pieces = tqdm(pieces, desc=f"qaic: compiling graph {report.graph_index}", unit="piece", leave=False)
         for piece in pieces:
-            compilation_counter.num_piecewise_graphs_seen += 1
+            compilation_counter.bump(num_piecewise_graphs_seen=1)
             if piece.is_splitting:
-                report.pieces.append(PieceReport(piece.index, piece.name, "splitting", piece.reason))
+                report.pieces.append(PieceReport(piece.index, piece.name, piece.kind, piece.reason, piece.detail))
                 continue
-            compilation_counter.num_piecewise_compilable_graphs_seen += 1
-            t0 = time.perf_counter()
-            entry, fp_s = self._compile_piece(piece, piece_args[piece.name], fake_mode, report, split.graph_module)
-            fingerprint_s += fp_s
-            lowering_s += time.perf_counter() - t0 - fp_s
-        report.seconds["fingerprint"] = fingerprint_s
-        report.seconds["lower+load"] = lowering_s
+            compilation_counter.bump(num_piecewise_compilable_graphs_seen=1)
+            report.pieces.append(self._compile_piece(piece, piece_args[piece.name], fake_mode, split.graph_module))
+        report.seconds["pieces"] = time.perf_counter() - t0
         report.seconds["total"] = time.perf_counter() - t_start
         report._module = weakref.ref(split.graph_module)
         logger.info("%s", report.table())
@@ -230,98 +262,40 @@ class QaicBackend:
             self._dump(report, split.pieces)
         return split.graph_module
 
-    def _compile_piece(
-        self, piece: Piece, args: tuple, fake_mode: Any, report: GraphReport, split_gm: fx.GraphModule
-    ) -> tuple[PieceReport, float]:
+    def _compile_piece(self, piece: Piece, args: tuple, fake_mode: Any, split_gm: fx.GraphModule) -> PieceReport:
+        """Key the piece, get its artifact from the cache stage, and put a runner in its place."""
         t0 = time.perf_counter()
         fp = fingerprint(piece.graph_module, args, self.config_hash)
-        fp_s = time.perf_counter() - t0
-        entry = PieceReport(piece.index, piece.name, "compiled", piece.reason, key=fp.prefix)
-        report.pieces.append(entry)
+        entry = PieceReport(piece.index, piece.name, piece.kind, piece.reason, piece.detail, key=fp.prefix)
         label = f"piece {piece.name} ({fp.prefix})"
 
-        artifact = artifact_cache.lookup(fp.key)
-        failure = artifact_cache.failure(fp.key)
-        if artifact is not None:
-            entry.reused = True
-            compilation_counter.num_piece_reuses += 1
-        elif failure is not None:
-            entry.reused = True  # the same failure as an identical piece before
+        def compile_into(out_dir: Path) -> None:
+            lower_piece(piece.graph_module, args, fake_mode, self.config, out_dir)
+            if self.config.runtime == "qaic":
+                qaic_compile(out_dir, out_dir / "qpc")
+
+        result = artifact_cache.get_or_compile(
+            fp.key, compile_into, disk=self.disk, num_threads=self.num_threads, describe=fp.inputs
+        )
+        entry.source = result.source
+        entry.compile_seconds, entry.load_seconds = result.compile_seconds, result.load_seconds
+        if result.source is Source.MEMORY:
+            compilation_counter.bump(num_piece_reuses=1)
+        if result.artifact is None:
+            # The policy is this config's, whoever failed first: a failure remembered under
+            # fallback="eager" still raises under fallback="error".
+            if self.config.fallback == "error":
+                earlier = " (remembered from an identical piece compiled earlier)" if result.failure_cached else ""
+                raise LoweringError(
+                    f"{label}: {result.failure}{earlier} (options={{'fallback': 'eager'}} runs it eagerly instead)"
+                ) from result.error
+            entry.fallback = result.failure
+            warn_fallback(label, result.failure)
         else:
-            entry.reused = False
-            try:
-                artifact = self._load_or_lower(piece, args, fake_mode, fp, entry)
-                artifact_cache.store(fp.key, artifact)
-            except LoweringError as e:
-                if self.config.fallback == "error":
-                    raise LoweringError(f"{label}: {e} (options={{'fallback': 'eager'}} runs it eagerly instead)") from e
-                failure = str(e)
-                artifact_cache.store_failure(fp.key, failure)
-        if artifact is None:
-            entry.kind = "eager"
-            entry.fallback = failure
-            warn_fallback(label, failure)
-        else:
-            entry.artifact = str(artifact.path)
-            setattr(split_gm, piece.name, PieceRunner(artifact, piece.graph_module, self.config, label))
+            entry.artifact = str(result.artifact.path)
+            setattr(split_gm, piece.name, PieceRunner(result.artifact, piece.graph_module, self.config, label))
         entry.seconds = time.perf_counter() - t0
-        return entry, fp_s
-
-    def _load_or_lower(self, piece: Piece, args: tuple, fake_mode: Any, fp: Any, entry: PieceReport) -> Any:
-        """The artifact for a piece new to this process: from disk, else lowered (and stored)."""
-        disk = self.disk
-        if disk is not None:
-            artifact = self._from_disk(disk, fp.key, entry)
-            if artifact is not None:
-                return artifact
-        # One process lowers a key at a time; the others wait, then load its entry.
-        with disk.lock(fp.key) if disk is not None else contextlib.nullcontext():
-            if disk is not None:
-                artifact = self._from_disk(disk, fp.key, entry)
-                if artifact is not None:
-                    return artifact
-                disk.misses += 1
-            tmp = disk.new_tmp_dir(fp.key) if disk is not None else None
-            out_dir = tmp if tmp is not None else artifact_cache.new_artifact_dir(fp.key)
-            try:
-                (out_dir / "fingerprint.json").write_text(json.dumps(fp.inputs, indent=1, sort_keys=True))
-                t1 = time.perf_counter()
-                lower_piece(piece.graph_module, args, fake_mode, self.config, out_dir)
-                if self.config.runtime == "qaic":
-                    qaic_compile(out_dir, out_dir / "qpc")
-                entry.export_seconds = time.perf_counter() - t1
-            except BaseException:
-                shutil.rmtree(out_dir, ignore_errors=True)
-                raise
-            if tmp is not None:
-                writes = disk.writes
-                out_dir = disk.commit(fp.key, tmp)
-                compilation_counter.num_disk_cache_writes += disk.writes - writes
-            t2 = time.perf_counter()
-            artifact = load(out_dir, self.config)  # the session holds the model from here on
-            entry.load_seconds = time.perf_counter() - t2
-            compilation_counter.num_backend_compilations += 1
-            if disk is not None:
-                disk.evict(keep=fp.key)
-            return artifact
-
-    def _from_disk(self, disk: DiskCache, key: str, entry: PieceReport) -> Any | None:
-        path = disk.lookup(key)
-        if path is None:
-            return None
-        t0 = time.perf_counter()
-        try:
-            artifact = load(path, self.config)
-        except (LoweringError, OSError, ValueError) as e:  # verified bytes that do not load
-            disk._warn_once(f"qaic: cache entry {key[:12]} does not load ({e}); recompiling it")
-            disk.discard(key)
-            disk.repairs += 1
-            return None
-        entry.load_seconds = time.perf_counter() - t0
-        entry.disk_hit = True
-        disk.hits += 1
-        compilation_counter.num_disk_cache_hits += 1
-        return artifact
+        return entry
 
     def _dump(self, report: GraphReport, pieces: list[Piece]) -> None:
         out = Path(self.config.dump_dir) / f"graph{report.graph_index}"
@@ -329,10 +303,11 @@ class QaicBackend:
         by_name = {p.name: p for p in pieces}
         for entry in report.pieces:
             piece = by_name[entry.name]
-            stem = f"piece{entry.index:03d}_{entry.kind}" + (f"_{entry.key}" if entry.key else "")
+            stem = f"piece{entry.index:03d}_{entry.kind.value}" + (f"_{entry.key}" if entry.key else "")
             (out / f"{stem}.py").write_text(piece.graph_module.print_readable(print_output=False))
-            if entry.artifact and not entry.reused:
-                (out / f"{stem}.onnx").write_bytes((Path(entry.artifact) / ONNX_FILE).read_bytes())
+            model = Path(entry.artifact) / ONNX_FILE if entry.artifact else None
+            if model is not None and model.exists() and entry.source is not Source.MEMORY:
+                (out / f"{stem}.onnx").write_bytes(model.read_bytes())
         (out / "summary.json").write_text(json.dumps(report.to_json(), indent=1))
         (out / "report.txt").write_text(report.table() + "\n")
 

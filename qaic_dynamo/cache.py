@@ -1,8 +1,13 @@
 """Artifacts by fingerprint: in memory for this process, then on disk across processes.
 
+This module is the cache stage of the pipeline: :class:`CompileCache` owns the whole
+get-or-compile of a piece (memory, then disk, then lowering under the key's lock, then
+commit and eviction) and its statistics; the backend only asks it for a key.
+
 **Memory.** A hit returns the loaded artifact (its ONNX Runtime session included): no
-export, no new session. Pieces that failed to lower are remembered too, so 32 identical
-failing pieces try the exporter once.
+export, no new session. Sessions are keyed by their options too (``num_threads``), so a
+second config gets a session of its own from the same artifact. Pieces that failed to
+lower are remembered too, so 32 identical failing pieces try the exporter once.
 
 **Disk.** A service restarts far more often than its model changes, so every new artifact
 is also stored under the cache root and a later process loads it instead of exporting:
@@ -15,7 +20,10 @@ is also stored under the cache root and a later process loads it instead of expo
     <root>/v1/last_run.json      hit / miss counts of the last process that used the cache
 
 Keys are structural fingerprints, which cover the config hash (every field that changes
-an artifact) and the library versions, so a changed config or library simply misses.
+an artifact), the library versions, the artifact format and a digest of this package's
+code, so a changed config, library or source file simply misses. An entry that is
+intact but does not load (e.g. written by an older layout format) is recompiled with a
+warning.
 
 No state of the directory may make results wrong:
   * an entry is written into ``tmp/`` and renamed into place in one step; if another
@@ -36,6 +44,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import enum
 import hashlib
 import json
 import logging
@@ -46,12 +55,15 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ArtifactCache", "DiskCache", "EntryInfo", "artifact_cache"]
+from qaic_dynamo.artifact import Artifact, ArtifactError, load
+from qaic_dynamo.counter import compilation_counter
+
+__all__ = ["CacheResult", "CompileCache", "DiskCache", "EntryInfo", "Source", "artifact_cache"]
 
 logger = logging.getLogger("qaic_dynamo")
 
@@ -61,40 +73,169 @@ META = "meta.json"
 STALE_TMP_SECONDS = 3600
 
 
-class ArtifactCache:
-    """The in-memory layer (loaded artifacts and known failures) for this process."""
+class Source(enum.StrEnum):
+    """Where a compilable piece's artifact came from."""
+
+    #: Lowered (and compiled) by this call: a fingerprint new to this process and disk.
+    LOWERED = "lowered"
+    #: An artifact this process already holds (reused; no lowering).
+    MEMORY = "memory"
+    #: Loaded from the persistent cache (no lowering).
+    DISK = "disk"
+    #: It cannot be lowered: just now, or an identical piece failed before (``cached``).
+    FAILED = "failed"
+
+
+@dataclass
+class CacheResult:
+    """What :meth:`CompileCache.get_or_compile` found or made for one piece."""
+
+    source: Source
+    artifact: Artifact | None = None
+    #: FAILED: why the piece cannot be lowered, and whether that was known before this call.
+    failure: str | None = None
+    failure_cached: bool = False
+    #: FAILED just now: the exception, for ``fallback="error"`` to chain.
+    error: BaseException | None = None
+    #: Lowering (export, checks, qaic-compile) and session creation, in this call.
+    compile_seconds: float = 0.0
+    load_seconds: float = 0.0
+
+
+class CompileCache:
+    """The cache stage: get an artifact by key, compiling it only when no layer has it.
+
+    Lookup order: a session already loaded with these session options; an artifact
+    directory this process already holds (new session); the persistent cache; and only
+    then lowering, under the key's lock (another process may be lowering the same key,
+    and we take its entry when it commits). A lowered entry is committed atomically and
+    the disk cache is then trimmed to its size limit. Failures are remembered per key, so
+    32 identical failing pieces try the exporter once; whether a failure is an error or
+    an eager fallback is the caller's policy, not the cache's.
+    """
 
     def __init__(self) -> None:
-        self._loaded: dict[str, Any] = {}
+        self._sessions: dict[tuple[str, int], Artifact] = {}
+        self._paths: dict[str, Path] = {}
         self._failed: dict[str, str] = {}
         self._lock = threading.Lock()
         self._scratch: Path | None = None
 
-    def lookup(self, key: str) -> Any | None:
+    def get_or_compile(
+        self,
+        key: str,
+        compile_into: Callable[[Path], None],
+        *,
+        disk: DiskCache | None,
+        num_threads: int,
+        describe: dict[str, Any] | None = None,
+    ) -> CacheResult:
+        """The artifact for ``key``.
+
+        ``compile_into(dir)`` writes a new artifact into ``dir``; it raises LoweringError
+        (or the runtime's QaicCompileError) when the piece cannot be compiled.
+        ``describe`` (the fingerprint's inputs) is written beside the artifact.
+        """
         with self._lock:
-            return self._loaded.get(key)
+            artifact = self._sessions.get((key, num_threads))
+            known = self._paths.get(key)
+            failure = self._failed.get(key)
+        if artifact is not None:
+            return CacheResult(Source.MEMORY, artifact)
+        if failure is not None:
+            return CacheResult(Source.FAILED, failure=failure, failure_cached=True)
+        if known is not None:  # compiled here with other session options: a new session
+            t0 = time.perf_counter()
+            artifact = load(known, num_threads)
+            self._remember(key, artifact)
+            return CacheResult(Source.MEMORY, artifact, load_seconds=time.perf_counter() - t0)
+        if disk is not None:
+            result = self._from_disk(disk, key, num_threads)
+            if result is not None:
+                return result
+        # One process lowers a key at a time; the others wait, then load its entry.
+        with disk.lock(key) if disk is not None else contextlib.nullcontext():
+            if disk is not None:
+                result = self._from_disk(disk, key, num_threads)
+                if result is not None:
+                    return result
+                disk.misses += 1
+            return self._compile(key, compile_into, disk, num_threads, describe)
+
+    def _compile(
+        self, key: str, compile_into: Callable[[Path], None], disk: DiskCache | None, num_threads: int,
+        describe: dict[str, Any] | None,
+    ) -> CacheResult:
+        from qaic_dynamo.lowering import LoweringError
+        from qaic_dynamo.runtime import QaicCompileError
+
+        tmp = disk.new_tmp_dir(key) if disk is not None else None
+        out_dir = tmp if tmp is not None else self._new_scratch_dir(key)
+        t0 = time.perf_counter()
+        try:
+            if describe is not None:
+                (out_dir / "fingerprint.json").write_text(json.dumps(describe, indent=1, sort_keys=True))
+            compile_into(out_dir)
+            compile_s = time.perf_counter() - t0
+            if tmp is not None:
+                out_dir, written = disk.commit(key, tmp)
+                if written:
+                    compilation_counter.bump(num_disk_cache_writes=1)
+            t1 = time.perf_counter()
+            artifact = load(out_dir, num_threads)  # the session holds the model from here on
+            load_s = time.perf_counter() - t1
+        except (LoweringError, QaicCompileError, ArtifactError) as e:
+            shutil.rmtree(out_dir, ignore_errors=True)
+            with self._lock:
+                self._failed[key] = str(e)
+            return CacheResult(Source.FAILED, failure=str(e), error=e, compile_seconds=time.perf_counter() - t0)
+        except BaseException:
+            shutil.rmtree(out_dir, ignore_errors=True)
+            raise
+        compilation_counter.bump(num_backend_compilations=1)
+        self._remember(key, artifact)
+        if disk is not None:
+            disk.evict(keep=key)
+        return CacheResult(Source.LOWERED, artifact, compile_seconds=compile_s, load_seconds=load_s)
+
+    def _from_disk(self, disk: DiskCache, key: str, num_threads: int) -> CacheResult | None:
+        path = disk.lookup(key)
+        if path is None:
+            return None
+        t0 = time.perf_counter()
+        try:
+            artifact = load(path, num_threads)
+        except ArtifactError as e:  # verified bytes that do not load (e.g. an older format)
+            disk.warn_once(f"qaic: cache entry {key[:12]} does not load ({e}); recompiling it")
+            disk.discard(key)
+            disk.repairs += 1
+            return None
+        disk.hits += 1
+        compilation_counter.bump(num_disk_cache_hits=1)
+        self._remember(key, artifact)
+        return CacheResult(Source.DISK, artifact, load_seconds=time.perf_counter() - t0)
+
+    def _remember(self, key: str, artifact: Artifact) -> None:
+        with self._lock:
+            self._sessions[(key, artifact.num_threads)] = artifact
+            self._paths[key] = artifact.path
 
     def failure(self, key: str) -> str | None:
         with self._lock:
             return self._failed.get(key)
 
-    def store(self, key: str, artifact: Any) -> None:
-        with self._lock:
-            self._loaded[key] = artifact
-
-    def store_failure(self, key: str, reason: str) -> None:
-        with self._lock:
-            self._failed[key] = reason
-
     def clear_memory(self) -> None:
+        """Forget every loaded artifact and failure (the persistent cache is kept)."""
         with self._lock:
-            self._loaded.clear()
+            self._sessions.clear()
+            self._paths.clear()
             self._failed.clear()
 
     def __len__(self) -> int:
-        return len(self._loaded)
+        with self._lock:
+            return len(self._paths)
 
-    def new_artifact_dir(self, key: str) -> Path:
+    def _new_scratch_dir(self, key: str) -> Path:
         """Process scratch space for an artifact when the disk cache is off."""
         with self._lock:
             if self._scratch is None:
@@ -163,7 +304,8 @@ class DiskCache:
             logger.warning(msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
-    def _warn_once(self, msg: str) -> None:
+    def warn_once(self, msg: str) -> None:
+        """Log ``msg`` once per process (problems with entries repeat on every lookup)."""
         if msg not in self._warned:
             self._warned.add(msg)
             logger.warning(msg)
@@ -181,7 +323,7 @@ class DiskCache:
             return None
         problem = self._verify(path, meta_path)
         if problem is not None:
-            self._warn_once(f"qaic: cache entry {key[:12]} is damaged ({problem}); recompiling it")
+            self.warn_once(f"qaic: cache entry {key[:12]} is damaged ({problem}); recompiling it")
             self.discard(key)
             self.repairs += 1
             return None
@@ -237,8 +379,10 @@ class DiskCache:
             self._degrade("cannot write", e)
             return None
 
-    def commit(self, key: str, tmp: Path) -> Path:
-        """Move a finished entry into place; returns the entry that is in place."""
+    def commit(self, key: str, tmp: Path) -> tuple[Path, bool]:
+        """Move a finished entry into place. Returns the entry that is in place and whether
+        it is ours (False: another process's valid entry was kept, or the cache could not
+        be written and ``tmp`` stays this process's private copy)."""
         final = self.entry_dir(key)
         try:
             files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
@@ -253,14 +397,14 @@ class DiskCache:
             except OSError:
                 if self.lookup(key) is not None:
                     shutil.rmtree(tmp, ignore_errors=True)  # theirs is valid: keep it
-                    return final
+                    return final, False
                 os.rename(tmp, final)  # theirs was damaged and has been removed
 
             self.writes += 1
-            return final
+            return final, True
         except OSError as e:
             self._degrade("cannot write", e)
-            return tmp  # still a complete artifact for this process
+            return tmp, False  # still a complete artifact for this process
 
     @contextlib.contextmanager
     def lock(self, key: str, timeout: float = 600.0) -> Iterator[None]:
@@ -276,7 +420,7 @@ class DiskCache:
             lock = FileLock(str(lock_dir / f"{key}.lock"), timeout=timeout)
             lock.acquire()
         except Timeout as e:  # a live holder for too long: compile anyway, the rename is safe
-            self._warn_once(f"qaic: waited {timeout:.0f}s for another process compiling {key[:12]}; compiling too")
+            self.warn_once(f"qaic: waited {timeout:.0f}s for another process compiling {key[:12]}; compiling too")
             logger.debug("lock timeout: %s", e)
             yield
             return
@@ -359,4 +503,5 @@ class DiskCache:
             return None
 
 
-artifact_cache = ArtifactCache()
+artifact_cache = CompileCache()
+"""The process's cache stage (one per process: artifacts are shared by every compile)."""

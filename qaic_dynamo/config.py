@@ -21,9 +21,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from qaic_dynamo.ops import splitting_ops
+
 __all__ = ["CompilationConfig", "ConfigError", "DEFAULT_SPLITTING_OPS"]
 
-DEFAULT_SPLITTING_OPS: tuple[str, ...] = ("qaic::unified_attention", "qaic::unified_mla_attention")
+#: The op registry's splitting ops (attention).
+DEFAULT_SPLITTING_OPS: tuple[str, ...] = splitting_ops()
 RUNTIMES = ("onnxruntime", "qaic")
 FALLBACKS = ("eager", "error")
 #: Opsets the lowering is tested with; onnxscript's torch library needs 18 or newer.

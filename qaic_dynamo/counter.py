@@ -9,15 +9,23 @@
         compiled(x)
 
 ``expect`` checks the *change* of each named counter over the block; counters it does not
-name may change freely.
+name may change freely. The pipeline changes counters only through :meth:`bump`, which
+holds a lock, so two threads compiling or running at once lose no update.
+
+Words, used the same way everywhere: a *piece* is any submodule of a split graph; a
+*splitting* piece holds splitting ops and runs eagerly; every other piece is
+*compilable*; a compilable piece is *compiled* when this process lowers it (a new
+fingerprint), *reused* when an artifact already loaded serves it, and *loaded from disk*
+when the persistent cache does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["CompilationCounter", "compilation_counter"]
 
@@ -28,38 +36,47 @@ class CompilationCounter:
     num_graphs_seen: int = 0
     #: Pieces after splitting, splitting pieces included.
     num_piecewise_graphs_seen: int = 0
-    #: Pieces that are compiled (not splitting ops).
+    #: Compilable pieces (everything but splitting pieces).
     num_piecewise_compilable_graphs_seen: int = 0
-    #: Unique pieces lowered and compiled (a fingerprint seen for the first time).
+    #: Compilable pieces lowered by this process (a fingerprint seen for the first time).
     num_backend_compilations: int = 0
-    #: Pieces served by an artifact compiled earlier in this process.
+    #: Compilable pieces served by an artifact already loaded in this process.
     num_piece_reuses: int = 0
     #: Calls to the ONNX exporter.
     num_onnx_exports: int = 0
     #: ONNX Runtime sessions created.
     num_runtime_sessions: int = 0
-    #: Pieces that run eagerly because they could not be lowered or run.
+    #: Compilable pieces that run eagerly because they could not be lowered or run.
     num_eager_fallbacks: int = 0
-    #: Unique pieces loaded from the persistent cache instead of being lowered.
+    #: Compilable pieces loaded from the persistent cache instead of being lowered.
     num_disk_cache_hits: int = 0
-    #: Unique pieces written to the persistent cache.
+    #: Artifacts written to the persistent cache.
     num_disk_cache_writes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def counts(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
+
+    def bump(self, **deltas: int) -> None:
+        """Add ``deltas`` to the named counters, atomically."""
+        with self._lock:
+            for name, n in deltas.items():
+                setattr(self, name, getattr(self, name) + n)
 
     def snapshot(self) -> CompilationCounter:
-        return dataclasses.replace(self)
+        with self._lock:
+            return CompilationCounter(**self.counts())
 
     def reset(self) -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, 0)
+        with self._lock:
+            for name in self.counts():
+                setattr(self, name, 0)
 
     @contextlib.contextmanager
     def expect(self, **deltas: int) -> Iterator[None]:
-        unknown = sorted(set(deltas) - {f.name for f in dataclasses.fields(self)})
+        unknown = sorted(set(deltas) - set(self.counts()))
         if unknown:
-            raise TypeError(
-                f"expect(): unknown counter(s) {unknown}; counters are "
-                f"{[f.name for f in dataclasses.fields(self)]}"
-            )
+            raise TypeError(f"expect(): unknown counter(s) {unknown}; counters are {list(self.counts())}")
         before = self.snapshot()
         yield
         wrong = {

@@ -11,8 +11,11 @@ In the key:
   * every input's kind, dtype, shape and stride, with symbolic sizes written in canonical
     symbols (S0, S1, ... in order of first appearance), so the key does not depend on what
     Dynamo happened to call a symbol;
-  * the config hash (fields that change an artifact) and the versions of torch, onnx,
-    onnxscript, onnxruntime and qaic_dynamo.
+  * the config hash (fields that change an artifact), the versions of torch, onnx,
+    onnxscript, onnxruntime and qaic_dynamo, the artifact layout format, and a digest of
+    qaic_dynamo's own code: every ``.py`` file of the package and the built ``_C``
+    library (computed once per process, like inductor's ``torch_key``), so an edit under
+    an editable install, where the version string stays the same, still misses.
 Not in the key: node and placeholder names, the layer's position, and parameter values
 (parameters are inputs; their metadata is in the key, their values are not).
 
@@ -28,6 +31,7 @@ import importlib.metadata
 import json
 import operator
 import types
+from pathlib import Path
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +40,11 @@ import sympy
 import torch
 import torch.fx as fx
 
-__all__ = ["Fingerprint", "fingerprint", "library_versions"]
+from qaic_dynamo.artifact import LAYOUT_FORMAT
+
+__all__ = ["CanonicalNames", "Fingerprint", "canonical_names", "code_digest", "fingerprint", "library_versions"]
+
+PACKAGE_ROOT = Path(__file__).resolve().parent
 
 
 @dataclass(frozen=True)
@@ -60,8 +68,30 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
-class _Canon:
-    """Turns one piece into a JSON-able structure with canonical names."""
+def code_digest(root: Path = PACKAGE_ROOT) -> str:
+    """sha256 over the package's Python sources and built native libraries under ``root``
+    (relative path and bytes of each, in sorted order)."""
+    h = hashlib.sha256()
+    files = sorted(p for p in root.rglob("*") if p.is_file() and (p.suffix == ".py" or p.name.startswith("_C") and p.suffix in (".so", ".pyd")))
+    for p in files:
+        if "__pycache__" in p.parts:
+            continue
+        h.update(str(p.relative_to(root)).encode() + b"\0")
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+@functools.cache
+def _process_code_digest() -> str:
+    return code_digest()
+
+
+class CanonicalNames:
+    """Turns one piece into a JSON-able structure with canonical names.
+
+    Symbols are renamed S0, S1, ... in order of first appearance; lowering uses the same
+    names for the sizes it records in a layout (see :func:`canonical_names`).
+    """
 
     def __init__(self) -> None:
         self.nodes: dict[fx.Node, str] = {}
@@ -155,7 +185,16 @@ def _callable_name(fn: Any) -> str:
     return ident
 
 
-def _target(node: fx.Node, gm: fx.GraphModule, canon: _Canon) -> Any:
+def canonical_names(example_args: Sequence[Any]) -> CanonicalNames:
+    """The canonical names of a piece's symbols, exactly as its fingerprint assigns them
+    (from its inputs, in order)."""
+    canon = CanonicalNames()
+    for a in example_args:
+        canon.example(a)
+    return canon
+
+
+def _target(node: fx.Node, gm: fx.GraphModule, canon: CanonicalNames) -> Any:
     if node.op == "call_function":
         if node.target is operator.getitem:
             return "getitem"
@@ -175,7 +214,7 @@ def _target(node: fx.Node, gm: fx.GraphModule, canon: _Canon) -> Any:
 
 
 def fingerprint(gm: fx.GraphModule, example_args: Sequence[Any], config_hash: str) -> Fingerprint:
-    canon = _Canon()
+    canon = CanonicalNames()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_args):
         raise ValueError(
@@ -194,11 +233,13 @@ def fingerprint(gm: fx.GraphModule, example_args: Sequence[Any], config_hash: st
             [node.op, _target(node, gm, canon), canon.value(tuple(node.args)), canon.value(dict(node.kwargs))]
         )
     payload = {
-        "format": 1,
+        "format": 2,
         "inputs": inputs,
         "graph": body,
         "config_hash": config_hash,
         "versions": library_versions(),
+        "code": _process_code_digest(),
+        "layout_format": LAYOUT_FORMAT,
     }
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return Fingerprint(hashlib.sha256(blob.encode()).hexdigest(), payload)

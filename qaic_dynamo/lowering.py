@@ -1,28 +1,36 @@
-"""Lower one graph piece to accelerator ONNX.
+"""Lower one graph piece to accelerator ONNX: the compile half of compile-and-load.
 
 Input: a compilable piece (an FX GraphModule from the partition stage) and fake example
-arguments. Output: an *artifact directory* holding ``model.onnx`` and ``layout.json``,
-the description the runtime needs to call it. Lowering never runs the model.
+arguments. Output: an artifact directory (``artifact`` defines the format) holding
+``model.onnx`` and ``layout.json``, the description the runtime needs to call it.
+Lowering never runs the model.
 
-What happens to a piece:
+The piece is rewritten by four passes, each a function below, then exported:
 
-1. **KV-cache updates become retained state.** Each ``qaic::unified_kv_cache_update(k, v,
-   name)`` (and its MLA twin) is replaced by a functional scatter into two new graph
-   inputs, ``past_key`` / ``past_value`` (MLA: ``compressed_kv`` / ``k_pe``), whose
-   results are the outputs ``past_key_RetainedState`` / ``past_value_RetainedState``; one
-   more input, ``slot_mapping``, says where each token goes. In ONNX the scatter is the
-   ``com.qualcomm.cloud::KVCacheScatter`` function. A piece with several updates numbers
-   them (``past_key.0``, ``past_key.1``, ...). The layer name stays in ``layout.json``:
-   the runtime resolves it through the forward context at call time, exactly as the eager
-   op does, and binds that layer's cache as both the input and its ``_RetainedState``
-   output, so the update is in place. The dependency token the op returned is made by the
-   runtime (it carries no data).
-2. **Symbolic sizes come from tensors.** Dynamo passes symbolic sizes (``s0``) as graph
-   inputs; ONNX has no scalar-int inputs for them, so each is rewritten to the size of a
-   tensor input that has it (``aten.sym_size``). Symbolic dims become dynamic ONNX dims,
-   so one artifact serves every token count.
-3. **Export** with ``torch.onnx.export(dynamo=True)`` and the custom translation above,
-   then ``onnx.checker.check_model(full_check=True)``.
+1. :func:`sizes_from_tensors` - Dynamo passes symbolic sizes (``s0``) as graph inputs;
+   ONNX has no scalar-int inputs for them, so each becomes the size of a tensor input
+   that carries it (``aten.sym_size``). Symbolic dims become dynamic ONNX dims, so one
+   artifact serves every token count.
+2. :func:`kv_updates_to_retained_state` - each KV-cache update (an op whose registry role
+   is ``KV_CACHE_UPDATE``) becomes its registry ``lowers_to`` op, the functional
+   ``qaic::kv_cache_scatter``, into two new inputs named by the op's retained-state stems
+   (``past_key`` / ``past_value``; MLA ``compressed_kv`` / ``k_pe``) whose results are
+   the outputs ``<stem>_RetainedState``; one more input, ``slot_mapping``, says where each
+   token goes. Several updates in one piece are numbered (``past_key.0``, ...). The layer
+   name stays in the layout: the runtime resolves it through the forward context, as the
+   eager op does, and binds that layer's cache as both the input and its
+   ``_RetainedState`` output, so the update happens in place.
+3. :func:`outputs_and_leaves` - tensors leave through ONNX; inputs passed through, sizes,
+   constants and the updates' dependency tokens are produced by the runtime instead. A
+   piece left with no ONNX output at all (dead code, pass-through, constants) has no
+   model: the runtime computes its leaves directly.
+4. :func:`export_inputs` - example tensors, names and dynamic dims for the exporter.
+
+Export goes through torch.onnx's exporter core (``torch.export``, decompositions, then
+translation with a registry built once per opset), with every registry op's ONNX
+function as a custom translation; if that private entry is missing it uses the public
+``torch.onnx.export``. The model is then cleaned (no unused initializers, explicit opset
+imports, the qaic functions attached) and must pass ``onnx.checker.check_model(full_check=True)``.
 
 Anything that cannot be lowered raises :class:`LoweringError` with the reason; the backend
 decides whether that means an eager fallback or an error.
@@ -30,13 +38,14 @@ decides whether that means an eager fallback or an error.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import json
 import logging
 import operator
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,107 +57,34 @@ import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
+from qaic_dynamo.artifact import LAYOUT_FILE, ONNX_FILE, PieceLayout, dtype_name
 from qaic_dynamo.config import CompilationConfig
 from qaic_dynamo.counter import compilation_counter
-from qaic_dynamo.fingerprint import _Canon
-from qaic_dynamo.onnx_functions import QAIC_DOMAIN, function_protos, kv_cache_scatter_node
-from qaic_dynamo.partition import op_name
+from qaic_dynamo.fingerprint import CanonicalNames, canonical_names
+from qaic_dynamo.ops import QAIC_DOMAIN, QAIC_OPS, kv_cache_update_op, op_name
 
-__all__ = ["LoweringError", "PieceLayout", "lower_piece", "ONNX_FILE", "LAYOUT_FILE"]
+__all__ = [
+    "LoweringError",
+    "PreparedPiece",
+    "export_inputs",
+    "kv_updates_to_retained_state",
+    "lower_piece",
+    "outputs_and_leaves",
+    "prepare",
+    "sizes_from_tensors",
+]
 
 logger = logging.getLogger("qaic_dynamo")
 # The exporter warns on every export that torchvision (whose ops we never use) is missing.
 logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
 
-ONNX_FILE = "model.onnx"
-LAYOUT_FILE = "layout.json"
 #: onnxruntime 1.31 reads IR version <= 13; the exporter's default is within that, but a
 #: newer onnx could raise it, so it is capped.
 MAX_IR_VERSION = 10
 
-#: cache-update op -> the retained-state stems of its two caches
-KV_UPDATE_OPS: dict[str, tuple[str, str]] = {
-    "qaic::unified_kv_cache_update": ("past_key", "past_value"),
-    "qaic::unified_mla_kv_cache_update": ("compressed_kv", "k_pe"),
-}
-
 
 class LoweringError(RuntimeError):
     """A piece could not be lowered; the message says why."""
-
-
-# --- the functional stand-in for the cache-update ops -----------------------------------
-
-
-@torch.library.custom_op("qaic_lowering::kv_cache_scatter", mutates_args=())
-def kv_cache_scatter(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Functional reshape_and_cache: returns the updated caches (only used for export)."""
-    kc, vc = key_cache.clone(), value_cache.clone()
-    torch.ops.qaic.reshape_and_cache(key, value, kc, vc, slot_mapping)
-    return kc, vc
-
-
-@kv_cache_scatter.register_fake
-def _(key, value, key_cache, value_cache, slot_mapping):
-    return torch.empty_like(key_cache), torch.empty_like(value_cache)
-
-
-def _translate_kv_cache_scatter(key, value, key_cache, value_cache, slot_mapping):
-    return (
-        kv_cache_scatter_node(key_cache, slot_mapping, key),
-        kv_cache_scatter_node(value_cache, slot_mapping, value),
-    )
-
-
-# --- layout: what the runtime needs to call an artifact ---------------------------------
-
-
-@dataclass
-class PieceLayout:
-    """How to call an artifact. JSON-serialisable; written next to the ONNX file.
-
-    ``inputs``: one entry per ONNX input, in order: ``{"name", "source"}`` where source is
-        ``["arg", i]`` (the piece's i-th argument), ``["cache", u, j]`` (cache j of update
-        u, resolved at call time) or ``["slot_mapping"]``.
-    ``outputs``: one per ONNX output: ``{"name", "dtype", "shape", "target"}``; target is
-        ``["leaf", k]`` or ``["cache", u, j]`` (written in place); shape entries are ints
-        or expressions in the canonical symbols.
-    ``leaves``: the piece's flattened outputs: ``["onnx", i]``, ``["arg", i]`` (an input
-        passed through), ``["dep", dtype]`` (a dependency token), ``["sym", expr]`` or
-        ``["const", value]``.
-    ``symbols``: canonical symbol -> ``["dim", arg, dim]`` or ``["int", arg]``.
-    """
-
-    inputs: list[dict[str, Any]]
-    outputs: list[dict[str, Any]]
-    leaves: list[list[Any]]
-    out_spec: str
-    symbols: dict[str, list[Any]]
-    kv_updates: list[dict[str, Any]]
-    num_args: int
-    export_seconds: float = 0.0
-    stats: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> PieceLayout:
-        return cls(**json.loads(text))
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def _is_kv_update(node: fx.Node) -> bool:
-    return node.op == "call_function" and op_name(node.target) in KV_UPDATE_OPS
 
 
 def _is_symbolic(x: Any) -> bool:
@@ -165,7 +101,9 @@ def _hint(x: Any) -> int:
 
 
 @dataclass
-class _Prepared:
+class PreparedPiece:
+    """A piece rewritten for export: the pure graph, what to export it with, its layout."""
+
     gm: fx.GraphModule
     example: list[torch.Tensor]
     dynamic_shapes: list[dict[int, Any] | None]
@@ -174,121 +112,129 @@ class _Prepared:
     layout: PieceLayout
 
 
-def _prepare(gm: fx.GraphModule, example_args: Sequence[Any], fake_mode: Any) -> _Prepared:
-    FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*example_args)
-    canon = _Canon()
-    for a in example_args:  # same canonical symbol names as the fingerprint
-        canon.example(a)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+@dataclass
+class _Rewrite:
+    """State the passes share: the copy of the piece's graph being rewritten."""
 
-    # Symbol bindings: where the runtime reads each canonical symbol from.
-    symbols: dict[str, list[Any]] = {}
-    sym_source: dict[sympy.Symbol, tuple[int, int]] = {}
-    for i, a in enumerate(example_args):
+    graph: fx.Graph
+    example_args: Sequence[Any]
+    canon: CanonicalNames
+    placeholders: list[fx.Node]  # the copy's placeholders, one per piece argument
+    orig_of: dict[fx.Node, fx.Node]  # copy -> original node (which carries meta["val"])
+    first_body: fx.Node | None
+    symbols: dict[str, list[Any]] = field(default_factory=dict)
+    sym_source: dict[sympy.Symbol, tuple[int, int]] = field(default_factory=dict)
+    input_sources: list[list[Any]] = field(default_factory=list)
+    updates: list[fx.Node] = field(default_factory=list)
+    kv_updates: list[dict[str, Any]] = field(default_factory=list)
+    retained: list[list[fx.Node]] = field(default_factory=list)
+    slot_mapping: fx.Node | None = None
+    dep_nodes: dict[fx.Node, str] = field(default_factory=dict)
+
+
+def _bind_symbols(rw: _Rewrite) -> None:
+    """Where the runtime reads each canonical symbol from: a tensor dim or an int input."""
+    for i, a in enumerate(rw.example_args):
         if isinstance(a, torch.Tensor):
             for d, size in enumerate(a.shape):
                 if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
-                    sym_source.setdefault(size.node.expr, (i, d))
-                    symbols.setdefault(canon.expr(size.node.expr), ["dim", i, d])
+                    rw.sym_source.setdefault(size.node.expr, (i, d))
+                    rw.symbols.setdefault(rw.canon.expr(size.node.expr), ["dim", i, d])
         elif isinstance(a, torch.SymInt) and isinstance(a.node.expr, sympy.Symbol):
-            symbols.setdefault(canon.expr(a.node.expr), ["int", i])
+            rw.symbols.setdefault(rw.canon.expr(a.node.expr), ["int", i])
         elif not isinstance(a, torch.SymInt):
             raise LoweringError(f"piece input {i} is a {type(a).__name__}; only tensors and sizes can be lowered")
 
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    out_val = g.graph_copy(gm.graph, env)  # copies everything but the output node
-    orig_of = {new: old for old, new in env.items()}
-    new_ph = [env[p] for p in placeholders]
-    first_body = next((n for n in g.nodes if n.op != "placeholder"), None)
 
-    # 1. symbolic-size inputs -> sizes of tensor inputs
-    input_sources: list[list[Any]] = []
-    for i, (ph, a) in enumerate(zip(new_ph, example_args)):
+def sizes_from_tensors(rw: _Rewrite) -> None:
+    """Pass 1: symbolic-size inputs become sizes of tensor inputs (and are removed)."""
+    g = rw.graph
+    for i, (ph, a) in enumerate(zip(rw.placeholders, rw.example_args)):
         if isinstance(a, torch.Tensor):
-            input_sources.append(["arg", i])
+            rw.input_sources.append(["arg", i])
             continue
         if ph.users:
             expr = a.node.expr
-            if expr not in sym_source:
-                raise LoweringError(
-                    f"symbolic input '{placeholders[i].name}' = {expr} is not a dimension of any tensor input"
-                )
-            j, d = sym_source[expr]
-            with g.inserting_before(first_body):
-                size = g.call_function(torch.ops.aten.sym_size.int, (new_ph[j], d))
+            if expr not in rw.sym_source:
+                raise LoweringError(f"symbolic input '{rw.orig_of[ph].name}' = {expr} is not a dimension of any tensor input")
+            j, d = rw.sym_source[expr]
+            with g.inserting_before(rw.first_body):
+                size = g.call_function(torch.ops.aten.sym_size.int, (rw.placeholders[j], d))
             ph.replace_all_uses_with(size)
         g.erase_node(ph)
 
-    # 2. cache updates -> functional scatter into retained-state inputs
-    updates = [n for n in g.nodes if _is_kv_update(n)]
-    kv_updates: list[dict[str, Any]] = []
-    cache_inputs: list[fx.Node] = []
-    slot_ph = None
-    dep_nodes: dict[fx.Node, str] = {}
-    if updates:
-        with g.inserting_before(first_body):
-            for u, node in enumerate(updates):
-                stems = KV_UPDATE_OPS[op_name(node.target)]
-                suffix = f".{u}" if len(updates) > 1 else ""
-                names = [f"{stem}{suffix}" for stem in stems]
-                cache_inputs += [g.placeholder(names[0]), g.placeholder(names[1])]
-                layer = node.kwargs.get("layer_name", node.args[2] if len(node.args) > 2 else None)
-                if not isinstance(layer, str):
-                    raise LoweringError(f"{node.name}: the layer name must be a constant string, got {layer!r}")
-                kv_updates.append({"op": op_name(node.target), "layer_name": layer, "names": names})
-            slot_ph = g.placeholder("slot_mapping")
-        for u, node in enumerate(updates):
-            key, value = node.args[0], node.args[1]
-            with g.inserting_before(node):
-                fixed, cache_dims = [], []
-                for t in (key, value):  # MLA passes [T, dim]: caches have one head
-                    val = orig_of[t].meta["val"]
-                    heads = 1 if val.dim() == 2 else _hint(val.shape[1])
-                    cache_dims.append([heads, _hint(val.shape[-1]), _dtype_name(val.dtype)])
-                    if val.dim() == 2:
-                        t = g.call_function(torch.ops.aten.unsqueeze.default, (t, 1))
-                    fixed.append(t)
-                kv_updates[u]["cache_dims"] = cache_dims  # [heads, head_size, dtype] per cache
-                scatter = g.call_function(
-                    torch.ops.qaic_lowering.kv_cache_scatter.default,
-                    (fixed[0], fixed[1], cache_inputs[2 * u], cache_inputs[2 * u + 1], slot_ph),
-                )
-                new_k = g.call_function(operator.getitem, (scatter, 0))
-                new_v = g.call_function(operator.getitem, (scatter, 1))
-            kv_updates[u]["retained"] = [new_k, new_v]
-            dep_nodes[node] = _dtype_name(orig_of[node].meta["val"].dtype)
 
-    # 3. outputs: tensors go to ONNX; sizes, constants and dependency tokens do not.
+def kv_updates_to_retained_state(rw: _Rewrite) -> None:
+    """Pass 2: each KV-cache update becomes a functional scatter into retained state."""
+    g = rw.graph
+    rw.updates = [n for n in g.nodes if n.op == "call_function" and kv_cache_update_op(n.target) is not None]
+    if not rw.updates:
+        return
+    cache_inputs: list[fx.Node] = []
+    with g.inserting_before(rw.first_body):
+        for u, node in enumerate(rw.updates):
+            op = kv_cache_update_op(node.target)
+            suffix = f".{u}" if len(rw.updates) > 1 else ""
+            names = [f"{stem}{suffix}" for stem in op.retained_state]
+            cache_inputs += [g.placeholder(names[0]), g.placeholder(names[1])]
+            layer = node.kwargs.get("layer_name", node.args[2] if len(node.args) > 2 else None)
+            if not isinstance(layer, str):
+                raise LoweringError(f"{node.name}: the layer name must be a constant string, got {layer!r}")
+            rw.kv_updates.append({"op": op.name, "layer_name": layer, "names": names})
+        rw.slot_mapping = g.placeholder("slot_mapping")
+    for u, node in enumerate(rw.updates):
+        scatter_op = QAIC_OPS[kv_cache_update_op(node.target).lowers_to].overload
+        with g.inserting_before(node):
+            fixed, cache_dims = [], []
+            for t in (node.args[0], node.args[1]):  # MLA passes [T, dim]: caches have one head
+                val = rw.orig_of[t].meta["val"]
+                heads = 1 if val.dim() == 2 else _hint(val.shape[1])
+                cache_dims.append([heads, _hint(val.shape[-1]), dtype_name(val.dtype)])
+                if val.dim() == 2:
+                    t = g.call_function(torch.ops.aten.unsqueeze.default, (t, 1))
+                fixed.append(t)
+            rw.kv_updates[u]["cache_dims"] = cache_dims  # [heads, head_size, dtype] per cache
+            scatter = g.call_function(
+                scatter_op, (fixed[0], fixed[1], cache_inputs[2 * u], cache_inputs[2 * u + 1], rw.slot_mapping)
+            )
+            rw.retained.append([g.call_function(operator.getitem, (scatter, j)) for j in range(2)])
+        rw.dep_nodes[node] = dtype_name(rw.orig_of[node].meta["val"].dtype)
+
+
+def outputs_and_leaves(rw: _Rewrite, out_val: Any) -> tuple[list[list[Any]], list[dict[str, Any]], str]:
+    """Pass 3: the piece's outputs. Tensors computed here become ONNX outputs; inputs
+    passed through, sizes, constants and dependency tokens become runtime-made leaves.
+    Returns (leaves, outputs, out_spec) and sets the graph's output node."""
+    g, canon = rw.graph, rw.canon
     flat, spec = pytree.tree_flatten(out_val)
     leaves: list[list[Any]] = []
     onnx_outputs: list[fx.Node] = []
     out_meta: list[dict[str, Any]] = []
-    ph_index = {p: i for i, p in enumerate(new_ph)}
+    ph_index = {p: i for i, p in enumerate(rw.placeholders)}
     for leaf in flat:
         if not isinstance(leaf, fx.Node):
             leaves.append(["const", leaf])
-        elif leaf in dep_nodes:
-            leaves.append(["dep", dep_nodes[leaf]])
+        elif leaf in rw.dep_nodes:
+            leaves.append(["dep", rw.dep_nodes[leaf]])
         elif leaf in ph_index:
             leaves.append(["arg", ph_index[leaf]])
         else:
-            val = orig_of[leaf].meta["val"]
+            val = rw.orig_of[leaf].meta["val"]
             if isinstance(val, torch.SymInt):
                 leaves.append(["sym", canon.expr(val.node.expr)])
             elif isinstance(val, torch.Tensor):
                 if leaf not in onnx_outputs:
                     onnx_outputs.append(leaf)
-                    out_meta.append(
-                        {"name": f"out{len(onnx_outputs) - 1}", "dtype": _dtype_name(val.dtype),
-                         "shape": [_dim(canon, d) for d in val.shape]}
-                    )
-                idx = onnx_outputs.index(leaf)
-                leaves.append(["onnx", idx])
+                    out_meta.append({
+                        "name": f"out{len(onnx_outputs) - 1}",
+                        "dtype": dtype_name(val.dtype),
+                        "shape": [canon.expr(d.node.expr) if _is_symbolic(d) else _hint(d) for d in val.shape],
+                    })
+                leaves.append(["onnx", onnx_outputs.index(leaf)])
             else:
                 raise LoweringError(f"piece output {leaf.name} is a {type(val).__name__}")
-    for node in updates:
-        if node.users:  # the copy has no output node, so any user is inside the piece
+    for node in rw.updates:
+        if node.users:  # the copy has no output node yet, so any user is inside the piece
             raise LoweringError(
                 f"{node.name}: the dependency token of a cache update is used inside the piece; "
                 "only attention (a splitting op) may consume it"
@@ -297,53 +243,76 @@ def _prepare(gm: fx.GraphModule, example_args: Sequence[Any], fake_mode: Any) ->
 
     outputs: list[dict[str, Any]] = [dict(m, target=["leaf", i]) for i, m in enumerate(out_meta)]
     retained_nodes: list[fx.Node] = []
-    for u, upd in enumerate(kv_updates):
+    for u, upd in enumerate(rw.kv_updates):
         for j, name in enumerate(upd["names"]):
-            retained_nodes.append(upd["retained"][j])
-            outputs.append({"name": f"{name}_RetainedState", "target": ["cache", u, j]})
-        del upd["retained"]
+            retained_nodes.append(rw.retained[u][j])
+            # Retained state is written in place: its dtype is the cache's, its shape the
+            # cache's at call time.
+            outputs.append({"name": f"{name}_RetainedState", "target": ["cache", u, j],
+                            "dtype": upd["cache_dims"][j][2], "shape": None})
     g.output(tuple(onnx_outputs + retained_nodes))
-    g.lint()
-    new_gm = fx.GraphModule(gm, g).eval()
+    return leaves, outputs, pytree.treespec_dumps(spec)
 
-    # Example inputs and dynamic dims for the exporter.
-    values = {s: max(_hint(s_int), 2) for s, s_int in _symbol_hints(example_args).items()}
+
+def export_inputs(rw: _Rewrite) -> tuple[list[torch.Tensor], list[dict[int, Any] | None], list[dict[str, Any]]]:
+    """Pass 4: example tensors, dynamic dims and layout entries of the ONNX inputs."""
+    values = {s: max(_hint(s_int), 2) for s, s_int in _symbol_hints(rw.example_args).items()}
     example: list[torch.Tensor] = []
     dynamic: list[dict[int, Any] | None] = []
-    input_names: list[str] = []
     inputs: list[dict[str, Any]] = []
-    for src in input_sources:
-        a = example_args[src[1]]
-        shape = [_concrete(d, values) for d in a.shape]
-        example.append(torch.zeros(shape, dtype=a.dtype))
+    for src in rw.input_sources:
+        a = rw.example_args[src[1]]
+        example.append(torch.zeros([_concrete(d, values) for d in a.shape], dtype=a.dtype))
         dyn = {d: torch.export.Dim.DYNAMIC for d, size in enumerate(a.shape) if _is_symbolic(size)}
         dynamic.append(dyn or None)
-        name = f"arg{src[1]}"
-        input_names.append(name)
-        inputs.append({"name": name, "source": src})
-    for u, upd in enumerate(kv_updates):
+        inputs.append({"name": f"arg{src[1]}", "source": src})
+    for u, upd in enumerate(rw.kv_updates):
         for j, name in enumerate(upd["names"]):
             heads, head_size, dtype = upd["cache_dims"][j]
             example.append(torch.zeros(4, heads, 4, head_size, dtype=getattr(torch, dtype)))
             dynamic.append({0: torch.export.Dim.DYNAMIC, 2: torch.export.Dim.DYNAMIC})
-            input_names.append(name)
             inputs.append({"name": name, "source": ["cache", u, j]})
-    if slot_ph is not None:
+    if rw.slot_mapping is not None:
         example.append(torch.zeros(3, dtype=torch.int64))
         dynamic.append({0: torch.export.Dim.DYNAMIC})
-        input_names.append("slot_mapping")
         inputs.append({"name": "slot_mapping", "source": ["slot_mapping"]})
+    return example, dynamic, inputs
 
+
+def prepare(gm: fx.GraphModule, example_args: Sequence[Any], fake_mode: Any) -> PreparedPiece:
+    """Run the four passes over a copy of ``gm``; ``gm`` itself is left untouched."""
+    FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*example_args)
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out_val = g.graph_copy(gm.graph, env)  # copies everything but the output node
+    rw = _Rewrite(
+        graph=g,
+        example_args=example_args,
+        canon=canonical_names(example_args),  # the fingerprint's symbol names
+        placeholders=[env[n] for n in gm.graph.nodes if n.op == "placeholder"],
+        orig_of={new: old for old, new in env.items()},
+        first_body=next((n for n in g.nodes if n.op != "placeholder"), None),
+    )
+    _bind_symbols(rw)
+    sizes_from_tensors(rw)
+    kv_updates_to_retained_state(rw)
+    leaves, outputs, out_spec = outputs_and_leaves(rw, out_val)
+    g.eliminate_dead_code()  # a piece's dead code (Dynamo keeps it) must not reach ONNX
+    g.lint()
+    example, dynamic, inputs = export_inputs(rw)
     layout = PieceLayout(
         inputs=inputs,
         outputs=outputs,
         leaves=leaves,
-        out_spec=pytree.treespec_dumps(spec),
-        symbols=symbols,
-        kv_updates=kv_updates,
+        out_spec=out_spec,
+        symbols=rw.symbols,
+        kv_updates=rw.kv_updates,
         num_args=len(example_args),
+        has_model=bool(outputs),
     )
-    return _Prepared(new_gm, example, dynamic, input_names, [o["name"] for o in outputs], layout)
+    return PreparedPiece(
+        fx.GraphModule(gm, g).eval(), example, dynamic, [i["name"] for i in inputs], [o["name"] for o in outputs], layout
+    )
 
 
 def _symbol_hints(example_args: Sequence[Any]) -> dict[sympy.Symbol, torch.SymInt]:
@@ -367,12 +336,6 @@ def _concrete(size: Any, values: dict[sympy.Symbol, int]) -> int:
     return int(size)
 
 
-def _dim(canon: _Canon, size: Any) -> int | str:
-    if _is_symbolic(size):
-        return canon.expr(size.node.expr)
-    return _hint(size)
-
-
 # --- export --------------------------------------------------------------------------------
 
 
@@ -385,40 +348,46 @@ def lower_piece(
 ) -> PieceLayout:
     """Lower ``gm`` into ``out_dir`` (``model.onnx`` + ``layout.json``) and return its layout."""
     try:
-        prepared = _prepare(gm, example_args, fake_mode)
+        prepared = prepare(gm, example_args, fake_mode)
     except LoweringError:
         raise
     except Exception as e:  # a rewrite we did not foresee: say where, fall back upstream
         raise LoweringError(f"could not prepare the piece for export: {type(e).__name__}: {e}") from e
 
     layout = prepared.layout
-    for entry in layout.outputs:  # resolve retained-state output dtypes
-        if entry["target"][0] == "cache":
-            u, j = entry["target"][1:]
-            idx = next(k for k, i in enumerate(layout.inputs) if i["source"] == ["cache", u, j])
-            entry["dtype"] = _dtype_name(prepared.example[idx].dtype)
-            entry["shape"] = None
-    t0 = time.perf_counter()
-    compilation_counter.num_onnx_exports += 1
-    try:
-        # The exporter traces with torch.export. Run it outside Dynamo's tracing context,
-        # or the guards it records on its own inputs leak into the frame being compiled.
-        with torch._guards.tracing(None):
-            program = _export(prepared, config)
-        model = program.model_proto
-    except Exception as e:
-        raise LoweringError(f"the ONNX exporter failed: {_first_line(e)}") from e
-    layout.export_seconds = time.perf_counter() - t0
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if layout.has_model:
+        t0 = time.perf_counter()
+        model = _finish(_export(prepared, config.opset), layout, config.opset)
+        layout.export_seconds = time.perf_counter() - t0
+        layout.stats = {
+            "nodes": len(model.graph.node),
+            "functions": sorted(f"{f.domain}::{f.name}" for f in model.functions),
+            "opset": config.opset,
+        }
+        onnx.save(model, str(out_dir / ONNX_FILE))
+    (out_dir / LAYOUT_FILE).write_text(layout.to_json())
+    return layout
 
+
+def _finish(model: onnx.ModelProto, layout: PieceLayout, opset: int) -> onnx.ModelProto:
+    """Make the exported model self-contained and clean, and check it."""
     model.ir_version = min(model.ir_version, MAX_IR_VERSION)
     # Helper functions of onnxscript's torch library (pkg.onnxscript.torch_lib) are
     # inlined so the model holds only standard ops and our own functions.
     if len(model.functions):
         model = onnx.inliner.inline_local_functions(model)
+    from qaic_dynamo.onnx_functions import function_protos
+
     used = {n.op_type for n in model.graph.node if n.domain == QAIC_DOMAIN}
     model.functions.extend(function_protos(used))
     if layout.kv_updates and "KVCacheScatter" not in used:
         raise LoweringError("the exported model has no KVCacheScatter node for its cache update")
+    # A graph whose outputs are all constants has no nodes, and the exporter then imports
+    # no opset; the checker (rightly) rejects that.
+    if not any(o.domain in ("", "ai.onnx") for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid("", opset))
+    _remove_unused_initializers(model)
     try:
         onnx.checker.check_model(model, full_check=True)
     except Exception as e:
@@ -427,24 +396,35 @@ def lower_piece(
     want = [i["name"] for i in layout.inputs]
     if names != want:
         raise LoweringError(f"the exporter changed the inputs: expected {want}, got {names}")
-
-    layout.stats = {
-        "nodes": len(model.graph.node),
-        "functions": sorted(f"{f.domain}::{f.name}" for f in model.functions),
-        "opset": config.opset,
-    }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(out_dir / ONNX_FILE))
-    (out_dir / LAYOUT_FILE).write_text(layout.to_json())
-    return layout
+    return model
 
 
-_TRANSLATIONS = {torch.ops.qaic_lowering.kv_cache_scatter.default: _translate_kv_cache_scatter}
+def _remove_unused_initializers(model: onnx.ModelProto) -> None:
+    """Drop initializers no node reads (ONNX Runtime would log each one at load)."""
+    used = {name for node in model.graph.node for name in node.input}
+    used |= {o.name for o in model.graph.output}
+    for node in model.graph.node:  # names read inside subgraphs (If/Loop bodies)
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                used |= {name for n in sub.node for name in n.input}
+    keep = [init for init in model.graph.initializer if init.name in used]
+    if len(keep) != len(model.graph.initializer):
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(keep)
+
+
+def _translations() -> dict[Any, Any]:
+    """torch.onnx custom translations: every registry op that has an ONNX function."""
+    # onnxscript is imported only when something is lowered: loading cached artifacts
+    # never needs it.
+    from qaic_dynamo.onnx_functions import TRANSLATIONS
+
+    return {op.overload: TRANSLATIONS[op.onnx_function] for op in QAIC_OPS.values() if op.onnx_function}
 
 
 @functools.cache
 def _registry(opset: int) -> Any:
-    """torch.onnx's op registry with our translation, built once per opset.
+    """torch.onnx's op registry with our translations, built once per opset.
 
     The public ``torch.onnx.export`` rebuilds this registry from onnxscript's torch
     library on every call (~1 s here, a third of a piece's export), so lowering builds it
@@ -454,12 +434,22 @@ def _registry(opset: int) -> Any:
     from torch.onnx._internal.exporter import _registration
 
     registry = _registration.ONNXRegistry.from_torchlib(opset_version=opset)
-    for target, fn in _TRANSLATIONS.items():
+    for target, fn in _translations().items():
         registry.register_op(target, fn, is_complex=False)
     return registry
 
 
-def _export(prepared: _Prepared, config: CompilationConfig) -> Any:
+@contextlib.contextmanager
+def _exporter_noise_suppressed() -> Iterator[None]:
+    """Silence the one warning torch's exporter emits on every export that no caller can
+    act on: ``run_decompositions`` deep-copies its module call graph, and unpickling a
+    ``LeafSpec`` there raises pytree's deprecation FutureWarning (torch 2.13)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*", category=FutureWarning)
+        yield
+
+
+def _export(prepared: PreparedPiece, opset: int) -> onnx.ModelProto:
     common = dict(
         dynamic_shapes=tuple(prepared.dynamic_shapes),
         input_names=prepared.input_names,
@@ -469,21 +459,30 @@ def _export(prepared: _Prepared, config: CompilationConfig) -> Any:
         optimize=False,
         verbose=False,
     )
+    compilation_counter.bump(num_onnx_exports=1)
     try:
-        from torch.onnx._internal.exporter import _core
+        # The exporter traces with torch.export. Run it outside Dynamo's tracing context,
+        # or the guards it records on its own inputs leak into the frame being compiled.
+        with torch._guards.tracing(None), _exporter_noise_suppressed():
+            try:
+                from torch.onnx._internal.exporter import _core
 
-        core_export = _core.export
-        registry = _registry(config.opset)
-    except (ImportError, AttributeError, TypeError) as e:  # pragma: no cover - other torch versions
-        logger.debug("qaic: using the public torch.onnx.export (%s)", e)
-    else:
-        # opset_version=None: the registry already targets config.opset, so no version
-        # conversion (which would also inline every function) is needed.
-        return core_export(prepared.gm, tuple(prepared.example), registry=registry, opset_version=None, **common)
-    return torch.onnx.export(
-        prepared.gm, tuple(prepared.example), dynamo=True, opset_version=config.opset,
-        custom_translation_table=dict(_TRANSLATIONS), **common,
-    )
+                core_export = _core.export
+                registry = _registry(opset)
+            except (ImportError, AttributeError, TypeError) as e:  # pragma: no cover - other torch versions
+                logger.debug("qaic: using the public torch.onnx.export (%s)", e)
+            else:
+                # opset_version=None: the registry already targets the opset, so no version
+                # conversion (which would also inline every function) is needed.
+                program = core_export(prepared.gm, tuple(prepared.example), registry=registry, opset_version=None, **common)
+                return program.model_proto
+            program = torch.onnx.export(
+                prepared.gm, tuple(prepared.example), dynamo=True, opset_version=opset,
+                custom_translation_table=_translations(), **common,
+            )
+            return program.model_proto
+    except Exception as e:
+        raise LoweringError(f"the ONNX exporter failed: {_first_line(e)}") from e
 
 
 def _first_line(e: BaseException) -> str:

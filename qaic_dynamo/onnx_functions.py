@@ -1,10 +1,12 @@
-"""The qaic custom ops as ONNX functions (domain ``com.qualcomm.cloud``).
+"""The qaic ops' ONNX translations: onnxscript functions in domain ``com.qualcomm.cloud``.
 
 They are onnxscript functions, so every lowered model carries their definition in
 ``model.functions`` and any ONNX runtime can execute them; the QAIC compiler maps the
 domain to its own kernels.
 
-``KVCacheScatter(cache, slot_mapping, updates)`` is ``reshape_and_cache`` in ONNX:
+``KVCacheScatter(cache, slot_mapping, updates)`` is ``qaic::kv_cache_scatter`` (the
+functional ``reshape_and_cache``) in ONNX, for one cache; the op registry
+(``qaic_dynamo.ops.QAIC_OPS``) names it as that op's ``onnx_function``:
   cache        [num_blocks, heads, block_size, head_size]  (retained state)
   slot_mapping [T] int64, -1 = padding
   updates      [T', heads, head_size], T' >= T (rows past T are padding)
@@ -15,7 +17,8 @@ with onnxscript's version converter, which inlines all functions first, even whe
 conversion is needed. So the translation emits a plain ``com.qualcomm.cloud``
 ``KVCacheScatter`` node (:data:`kv_cache_scatter_node`, an op with an explicit schema; the
 converter leaves custom domains alone) and the lowering then attaches the function body
-(:func:`function_protos`) to ``model.functions``.
+(:func:`function_protos`) to ``model.functions``. :data:`TRANSLATIONS` maps each
+function name to the torch.onnx translation of the op it stands for.
 
 Padding needs care: ScatterND reads a negative index as counting from the end, so a -1
 slot would silently overwrite the last slot of the cache. Padded rows are therefore
@@ -35,9 +38,9 @@ from onnxscript.onnx_types import BFLOAT16, FLOAT, FLOAT16, INT64
 from onnx import defs
 from onnxscript.values import Op, Opset
 
-__all__ = ["QAIC_DOMAIN", "KVCacheScatter", "kv_cache_scatter_node", "function_protos"]
+from qaic_dynamo.ops import QAIC_DOMAIN
 
-QAIC_DOMAIN = "com.qualcomm.cloud"
+__all__ = ["KVCacheScatter", "TRANSLATIONS", "function_protos", "kv_cache_scatter_node"]
 qaic_opset = Opset(QAIC_DOMAIN, 1)
 
 TFloat = TypeVar("TFloat", bound=Union[FLOAT, FLOAT16, BFLOAT16])
@@ -100,6 +103,18 @@ _SCHEMA = defs.OpSchema(
 kv_cache_scatter_node = Op(qaic_opset, "KVCacheScatter", _SCHEMA)
 
 _FUNCTIONS = {"KVCacheScatter": KVCacheScatter}
+
+
+def _translate_kv_cache_scatter(key, value, key_cache, value_cache, slot_mapping):
+    """torch.onnx translation of ``qaic::kv_cache_scatter``: one KVCacheScatter per cache."""
+    return (
+        kv_cache_scatter_node(key_cache, slot_mapping, key),
+        kv_cache_scatter_node(value_cache, slot_mapping, value),
+    )
+
+
+#: ONNX function name (a registry entry's ``onnx_function``) -> torch.onnx translation.
+TRANSLATIONS = {"KVCacheScatter": _translate_kv_cache_scatter}
 
 
 def function_protos(used: set[str]) -> list:

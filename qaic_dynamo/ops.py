@@ -1,15 +1,25 @@
-"""Python face of the ``qaic`` op library: thin wrappers and fake kernels.
+"""The ``qaic`` op layer's Python face: the op registry, thin wrappers and fake kernels.
 
 The schemas and CPU kernels are C++ (``csrc/ops.cpp``); importing this module registers a
 fake implementation for each op so that Dynamo, FakeTensor and AOT tracing can propagate
 shapes without running a kernel or touching a forward context. The wrappers exist for
 readable call sites and docstrings; ``torch.ops.qaic.<name>`` is the same thing.
 
+**The registry** (:data:`QAIC_OPS`) is the one place that says what each op *is* to the
+compiler: its :class:`OpRole` (a splitting op, a KV-cache update, the functional scatter
+that lowering puts in an update's place, or a plain kernel), the retained-state stems of
+the caches an update writes, and the ONNX function that translates it. ``config`` takes
+its default splitting ops from it, ``partition`` splits where it says, and ``lowering``
+rewrites updates and translates ops through it; nothing else keeps a list of qaic ops.
+
 Op contracts (shapes use T = tokens, H = heads, D = head size):
 
 * ``reshape_and_cache(key[T,Hkv,D], value[T,Hkv,Dv], key_cache!, value_cache!, slot_mapping[T'])``
   writes row t to slot ``slot_mapping[t]`` for ``t < T'`` (``T' <= T``; extra key rows are
   padding). Slot -1 writes nothing.
+* ``kv_cache_scatter(key, value, key_cache, value_cache, slot_mapping) -> (key_cache',
+  value_cache')``: the functional ``reshape_and_cache`` (updated copies). Lowering only;
+  in ONNX it is ``com.qualcomm.cloud::KVCacheScatter``.
 * ``unified_kv_cache_update(key, value, layer_name) -> dep`` resolves the layer in the
   forward context, writes its caches with the context's slot mapping and returns an empty
   dependency tensor that attention takes, so the graph orders the read after the write.
@@ -24,31 +34,118 @@ Op contracts (shapes use T = tokens, H = heads, D = head size):
 
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
+
 import torch
 
 from qaic_dynamo import _C  # noqa: F401  (loading the library registers the schemas)
 from qaic_dynamo.forward_context import FROM_FORWARD_CONTEXT
 
 __all__ = [
+    "QAIC_DOMAIN",
+    "QAIC_OPS",
+    "OpRole",
+    "QaicOp",
+    "kv_cache_scatter",
+    "kv_cache_update_op",
+    "op_name",
+    "qaic_op",
     "reshape_and_cache",
+    "splitting_ops",
     "unified_attention",
     "unified_kv_cache_update",
     "unified_mla_attention",
     "unified_mla_kv_cache_update",
-    "KV_CACHE_UPDATE_OPS",
-    "ATTENTION_OPS",
 ]
 
-#: The ops that write a layer's cache; they can sit inside a compiled piece.
-KV_CACHE_UPDATE_OPS = (
-    torch.ops.qaic.unified_kv_cache_update.default,
-    torch.ops.qaic.unified_mla_kv_cache_update.default,
-)
-#: The ops that read a layer's cache; the default splitting ops.
-ATTENTION_OPS = (
-    torch.ops.qaic.unified_attention.default,
-    torch.ops.qaic.unified_mla_attention.default,
-)
+#: The ONNX domain of the qaic functions (``onnx_functions``), the QAIC compiler's own.
+QAIC_DOMAIN = "com.qualcomm.cloud"
+
+
+class OpRole(enum.Enum):
+    """What an op is to the compiler."""
+
+    #: Reads a layer's cache through the forward context: the graph is split here and the
+    #: op runs eagerly between compiled pieces.
+    SPLITTING = "splitting"
+    #: Writes a layer's cache: lowered to retained state (``stem`` in, ``stem_RetainedState``
+    #: out) through its ``lowers_to`` op.
+    KV_CACHE_UPDATE = "kv_cache_update"
+    #: The pure stand-in lowering puts in a cache update's place; has an ONNX function.
+    RETAINED_STATE_SCATTER = "retained_state_scatter"
+    #: A plain kernel, nothing special in a graph.
+    KERNEL = "kernel"
+
+
+@dataclass(frozen=True)
+class QaicOp:
+    """One entry of the op registry."""
+
+    #: ``namespace::name``, the form ``splitting_ops`` and op_name() use.
+    name: str
+    role: OpRole
+    #: KV-cache updates: retained-state stems of the two caches, in argument order.
+    retained_state: tuple[str, ...] = ()
+    #: KV-cache updates: the registry name of the op lowering replaces them with.
+    lowers_to: str | None = None
+    #: Ops with an ONNX translation: the function's name in ``QAIC_DOMAIN``.
+    onnx_function: str | None = None
+
+    @property
+    def overload(self) -> torch._ops.OpOverload:
+        ns, name = self.name.split("::")
+        return getattr(getattr(torch.ops, ns), name).default
+
+
+#: Every qaic op, by ``namespace::name``.
+QAIC_OPS: dict[str, QaicOp] = {
+    op.name: op
+    for op in (
+        QaicOp("qaic::reshape_and_cache", OpRole.KERNEL),
+        QaicOp("qaic::kv_cache_scatter", OpRole.RETAINED_STATE_SCATTER, onnx_function="KVCacheScatter"),
+        QaicOp("qaic::unified_kv_cache_update", OpRole.KV_CACHE_UPDATE,
+               retained_state=("past_key", "past_value"), lowers_to="qaic::kv_cache_scatter"),
+        QaicOp("qaic::unified_mla_kv_cache_update", OpRole.KV_CACHE_UPDATE,
+               retained_state=("compressed_kv", "k_pe"), lowers_to="qaic::kv_cache_scatter"),
+        QaicOp("qaic::unified_attention", OpRole.SPLITTING),
+        QaicOp("qaic::unified_mla_attention", OpRole.SPLITTING),
+    )
+}
+
+
+def op_name(target: object) -> str | None:
+    """Canonical 'namespace::name' of an FX call_function target, or None.
+
+    Dynamo graphs hold OpOverloadPackets (``torch.ops.qaic.unified_attention``) for custom
+    ops and Python builtins for aten ops (``torch._C._nn.scaled_dot_product_attention``);
+    both map to one name so ``splitting_ops`` can be written the same way.
+    """
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name
+    name = getattr(target, "__name__", None)
+    module = getattr(target, "__module__", None) or ""
+    if name and module.startswith("torch") and hasattr(torch.ops.aten, name):
+        return f"aten::{name}"
+    return None
+
+
+def qaic_op(target: object) -> QaicOp | None:
+    """The registry entry of an FX target (an op overload, packet or name), or None."""
+    return QAIC_OPS.get(target if isinstance(target, str) else op_name(target) or "")
+
+
+def kv_cache_update_op(target: object) -> QaicOp | None:
+    """The registry entry if ``target`` is a KV-cache update op, else None."""
+    op = qaic_op(target)
+    return op if op is not None and op.role is OpRole.KV_CACHE_UPDATE else None
+
+
+def splitting_ops() -> tuple[str, ...]:
+    """The registry's splitting ops: the backend's default ``splitting_ops``."""
+    return tuple(name for name, op in QAIC_OPS.items() if op.role is OpRole.SPLITTING)
 
 
 def reshape_and_cache(
@@ -60,6 +157,17 @@ def reshape_and_cache(
 ) -> None:
     """Scatter ``key``/``value`` rows into the caches at ``slot_mapping`` (in place)."""
     torch.ops.qaic.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def kv_cache_scatter(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reshape_and_cache`` without side effects: returns updated copies of the caches."""
+    return torch.ops.qaic.kv_cache_scatter(key, value, key_cache, value_cache, slot_mapping)
 
 
 def unified_kv_cache_update(
@@ -117,6 +225,13 @@ def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping) ->
                 "move them to the same device"
             )
     return None
+
+
+@torch.library.register_fake("qaic::kv_cache_scatter")
+def _kv_cache_scatter_fake(key, value, key_cache, value_cache, slot_mapping):
+    return torch.empty_like(key_cache, memory_format=torch.contiguous_format), torch.empty_like(
+        value_cache, memory_format=torch.contiguous_format
+    )
 
 
 @torch.library.register_fake("qaic::unified_kv_cache_update")

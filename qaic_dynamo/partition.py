@@ -17,15 +17,32 @@ Every piece records why it starts where it does, for the compile report.
 
 from __future__ import annotations
 
+import enum
 import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-__all__ = ["Piece", "SplitGraph", "op_name", "split_graph"]
+from qaic_dynamo.ops import op_name
+
+__all__ = ["Piece", "PieceKind", "SplitGraph", "SplitReason", "readable_split", "split_graph"]
+
+
+class PieceKind(enum.StrEnum):
+    #: Holds splitting ops; runs eagerly between compiled pieces.
+    SPLITTING = "splitting"
+    #: Everything else: lowered and compiled (or reused).
+    COMPILABLE = "compilable"
+
+
+class SplitReason(enum.StrEnum):
+    """Why a piece starts where it does."""
+
+    START = "start of graph"
+    SPLITTING_OP = "splitting op"
+    AFTER_SPLITTING_OP = "after splitting op"
 
 
 @dataclass
@@ -34,34 +51,26 @@ class Piece:
 
     index: int
     name: str  # attribute name in the split GraphModule, e.g. "submod_3"
-    is_splitting: bool
+    kind: PieceKind
     graph_module: fx.GraphModule
-    #: Why this piece exists: the splitting op it holds, or the one it follows.
-    reason: str
+    reason: SplitReason
+    #: The splitting op(s) and node(s) the reason refers to ("" at the start of the graph).
+    detail: str = ""
+
+    @property
+    def is_splitting(self) -> bool:
+        return self.kind is PieceKind.SPLITTING
+
+    @property
+    def why(self) -> str:
+        """The reason in words, e.g. "after splitting op qaic::unified_attention (node o)"."""
+        return f"{self.reason.value} {self.detail}".strip()
 
 
 @dataclass
 class SplitGraph:
     graph_module: fx.GraphModule
     pieces: list[Piece]
-
-
-def op_name(target: object) -> str | None:
-    """Canonical 'namespace::name' of a call_function target, or None.
-
-    Dynamo graphs hold OpOverloadPackets (``torch.ops.qaic.unified_attention``) for custom
-    ops and Python builtins for aten ops (``torch._C._nn.scaled_dot_product_attention``);
-    both map to one name so ``splitting_ops`` can be written the same way.
-    """
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.name
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target._qualified_op_name
-    name = getattr(target, "__name__", None)
-    module = getattr(target, "__module__", None) or ""
-    if name and module.startswith("torch") and hasattr(torch.ops.aten, name):
-        return f"aten::{name}"
-    return None
 
 
 def _is_splitting(node: fx.Node, splitting_ops: frozenset[str]) -> bool:
@@ -71,10 +80,9 @@ def _is_splitting(node: fx.Node, splitting_ops: frozenset[str]) -> bool:
 def split_graph(gm: fx.GraphModule, splitting_ops: Iterable[str]) -> SplitGraph:
     ops = frozenset(splitting_ops)
     assignment: dict[fx.Node, int] = {}
-    reasons: dict[int, str] = {}
+    reasons: dict[int, tuple[SplitReason, str]] = {0: (SplitReason.START, "")}
     piece_id = 0
     prev_split: fx.Node | None = None  # the last splitting node, while we are right after it
-    reasons[0] = "start of graph"
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
@@ -82,15 +90,16 @@ def split_graph(gm: fx.GraphModule, splitting_ops: Iterable[str]) -> SplitGraph:
             assignment[node] = assignment[node.args[0]]
             continue
         if _is_splitting(node, ops):
+            here = f"{op_name(node.target)} (node {node.name})"
             if prev_split is None:
                 piece_id += 1
-                reasons[piece_id] = f"splitting op {op_name(node.target)} (node {node.name})"
+                reasons[piece_id] = (SplitReason.SPLITTING_OP, here)
             else:
-                reasons[piece_id] += f" + {op_name(node.target)} (node {node.name})"
+                reasons[piece_id] = (SplitReason.SPLITTING_OP, f"{reasons[piece_id][1]} + {here}")
             prev_split = node
         elif prev_split is not None:
             piece_id += 1
-            reasons[piece_id] = f"after splitting op {op_name(prev_split.target)} (node {prev_split.name})"
+            reasons[piece_id] = (SplitReason.AFTER_SPLITTING_OP, f"{op_name(prev_split.target)} (node {prev_split.name})")
             prev_split = None
         assignment[node] = piece_id
 
@@ -99,8 +108,9 @@ def split_graph(gm: fx.GraphModule, splitting_ops: Iterable[str]) -> SplitGraph:
     for index, node in enumerate(n for n in split_gm.graph.nodes if n.op == "call_module"):
         sub = getattr(split_gm, node.target)
         piece_id = int(node.target.rsplit("_", 1)[1])
-        is_splitting = any(_is_splitting(n, ops) for n in sub.graph.nodes)
-        pieces.append(Piece(index, node.target, is_splitting, sub, reasons[piece_id]))
+        kind = PieceKind.SPLITTING if any(_is_splitting(n, ops) for n in sub.graph.nodes) else PieceKind.COMPILABLE
+        reason, detail = reasons[piece_id]
+        pieces.append(Piece(index, node.target, kind, sub, reason, detail))
     return SplitGraph(split_gm, pieces)
 
 
@@ -114,7 +124,7 @@ def readable_split(split: SplitGraph, describe: Callable[[Piece], str] | None = 
                 ops.append(op_name(n.target) or getattr(n.target, "__name__", str(n.target)))
             elif n.op == "call_method":
                 ops.append(f".{n.target}")
-        kind = "split" if p.is_splitting else "piece"
+        kind = "split" if p.is_splitting else "piece"  # short words keep snapshots readable
         extra = f"  {describe(p)}" if describe else ""
         lines.append(f"{p.name} [{kind}] {' '.join(ops)}{extra}")
     return "\n".join(lines)

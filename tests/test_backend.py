@@ -18,10 +18,11 @@ from expecttest import TestCase
 
 import qaic_dynamo
 from qaic_dynamo.backend import last_compile_report
+from qaic_dynamo.cache import Source
 from qaic_dynamo.config import CompilationConfig, ConfigError
 from qaic_dynamo.counter import compilation_counter
 from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM
-from qaic_dynamo.partition import readable_split, split_graph
+from qaic_dynamo.partition import PieceKind, SplitReason, readable_split, split_graph
 
 from harness import Driver
 
@@ -123,7 +124,7 @@ def test_artifacts_use_retained_state_and_pass_the_checker(tmp_path):
     with torch.no_grad():
         Driver(model, PROMPTS).step(torch.compile(model, backend="qaic", options={"dump_dir": str(tmp_path)}), PROMPTS)
     report = last_compile_report()
-    compiled = [p for p in report.pieces if p.kind == "compiled"]
+    compiled = [p for p in report.pieces if p.source is Source.LOWERED]
     assert len(compiled) == 3
     for piece in compiled:
         m = onnx.load(str(Path(piece.artifact) / "model.onnx"))
@@ -141,7 +142,8 @@ def test_artifacts_use_retained_state_and_pass_the_checker(tmp_path):
     dumped = sorted(p.name for p in graph_dir.iterdir())
     assert sum(n.endswith(".onnx") for n in dumped) == 3 and sum(n.endswith(".py") for n in dumped) == 5
     summary = json.loads((graph_dir / "summary.json").read_text())
-    assert [p["kind"] for p in summary["pieces"]] == ["compiled", "splitting", "compiled", "splitting", "compiled"]
+    assert [p["kind"] for p in summary["pieces"]] == ["compilable", "splitting", "compilable", "splitting", "compilable"]
+    assert [p["source"] for p in summary["pieces"]] == ["lowered", None, "lowered", None, "lowered"]
 
 
 def test_report_is_logged_and_inspectable(caplog):
@@ -149,14 +151,18 @@ def test_report_is_logged_and_inspectable(caplog):
     with caplog.at_level(logging.INFO, logger="qaic_dynamo"), torch.no_grad():
         Driver(model, PROMPTS).step(torch.compile(model, backend="qaic"), PROMPTS)
     report = last_compile_report()
-    kinds = [(p.kind, p.reused) for p in report.pieces]
-    assert kinds == [("compiled", False), ("splitting", None), ("compiled", False), ("splitting", None),
-                     ("compiled", True), ("splitting", None), ("compiled", True), ("splitting", None),
-                     ("compiled", False)]
+    kinds = [(p.kind, p.source) for p in report.pieces]
+    C, S = PieceKind.COMPILABLE, PieceKind.SPLITTING
+    assert kinds == [(C, Source.LOWERED), (S, None), (C, Source.LOWERED), (S, None),
+                     (C, Source.MEMORY), (S, None), (C, Source.MEMORY), (S, None),
+                     (C, Source.LOWERED)]
+    assert [p.reused for p in report.pieces[:3]] == [False, None, False]
     middle = [p.key for p in report.pieces if p.index in (2, 4, 6)]
     assert len(set(middle)) == 1, "the middle layers share one fingerprint"
-    assert report.pieces[1].reason == "splitting op qaic::unified_attention (node o)"
-    assert "qaic graph" in caplog.text and "3 compiled, 2 reused" in caplog.text
+    assert report.pieces[1].reason is SplitReason.SPLITTING_OP
+    assert report.pieces[1].why == "splitting op qaic::unified_attention (node o)"
+    assert report.pieces[2].why == "after splitting op qaic::unified_attention (node o)"
+    assert "qaic graph" in caplog.text and "3 compiled, 2 reused, 0 from disk, 0 failed" in caplog.text
 
 
 # --- plain PyTorch models split at SDPA ---------------------------------------------------
@@ -243,8 +249,9 @@ def test_unlowerable_piece_falls_back_and_stays_correct():
             pytest.warns(RuntimeWarning, match="runs eagerly: the ONNX exporter failed"), torch.no_grad():
         out = torch.compile(model, backend="qaic")(x)
     torch.testing.assert_close(out, model(x))
-    assert last_compile_report().pieces[0].kind == "eager"
-    assert "qaic_test.opaque_gelu" in last_compile_report().pieces[0].fallback
+    piece = last_compile_report().pieces[0]
+    assert piece.source is Source.FAILED and piece.runs_eagerly and piece.reused is False
+    assert "qaic_test.opaque_gelu" in piece.fallback
 
 
 def test_fallback_error_raises():
@@ -346,7 +353,7 @@ class SplitSnapshot(TestCase):
         with torch.no_grad():
             Driver(model, PROMPTS).step(torch.compile(model, backend=capture), PROMPTS)
         split = split_graph(graphs[0], CompilationConfig().splitting_ops)
-        self.assertExpectedInline(readable_split(split, lambda p: f"<- {p.reason}"), """\
+        self.assertExpectedInline(readable_split(split, lambda p: f"<- {p.why}"), """\
 submod_0 [piece] aten::embedding .unsqueeze .to mul aten::cat .cos .to .unsqueeze .sin .to .unsqueeze aten::rms_norm aten::linear .split getitem getitem getitem .view .view .view mul .chunk getitem getitem neg aten::cat mul add mul .chunk getitem getitem neg aten::cat mul add qaic::unified_kv_cache_update  <- start of graph
 submod_1 [split] qaic::unified_attention  <- splitting op qaic::unified_attention (node o)
 submod_2 [piece] .reshape aten::linear add aten::rms_norm aten::linear .chunk getitem getitem aten::silu mul aten::linear add aten::rms_norm aten::linear .split getitem getitem getitem .view .view .view mul .chunk getitem getitem neg aten::cat mul add mul .chunk getitem getitem neg aten::cat mul add qaic::unified_kv_cache_update  <- after splitting op qaic::unified_attention (node o)
@@ -397,7 +404,7 @@ def test_mla_updates_lower_to_latent_retained_state():
     for name in eager_kv:
         for a, b in zip(eager_kv[name], compiled_kv[name]):
             torch.testing.assert_close(a, b)
-    first = next(p for p in last_compile_report().pieces if p.kind == "compiled")
+    first = next(p for p in last_compile_report().pieces if p.source is Source.LOWERED)
     m = onnx.load(str(Path(first.artifact) / "model.onnx"))
     assert [i.name for i in m.graph.input][-3:] == ["compressed_kv", "k_pe", "slot_mapping"]
     assert [o.name for o in m.graph.output][-2:] == ["compressed_kv_RetainedState", "k_pe_RetainedState"]

@@ -1,0 +1,227 @@
+"""The compiled-piece artifact: its on-disk format, and :func:`load`.
+
+An artifact is a readable directory, written once by ``lowering`` and read by everyone
+after it (the in-process cache, the persistent cache, the runtime, a curious user)::
+
+    model.onnx      the piece in accelerator ONNX (absent for a piece with no compute)
+    layout.json     how to call it: PieceLayout below, with its format version
+    fingerprint.json  the structural key's inputs (written by the cache, for humans)
+    qpc/            qaic-compile's output, with runtime="qaic"
+
+Compile and load are separate stages: this module knows the format and creates the ONNX
+Runtime session, and imports neither ``torch.onnx`` nor onnxscript, so a process that
+only loads cached artifacts never pays for the exporter. A directory that does not hold
+a loadable artifact of this format raises :class:`ArtifactError`; the cache treats that
+as a miss and recompiles.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import onnx
+import onnxruntime as ort
+import sympy
+import torch
+import torch.utils._sympy.functions as sympy_functions
+
+from qaic_dynamo.counter import compilation_counter
+
+__all__ = [
+    "Artifact",
+    "ArtifactError",
+    "LAYOUT_FILE",
+    "LAYOUT_FORMAT",
+    "ONNX_ELEMENT_TYPES",
+    "ONNX_FILE",
+    "PieceLayout",
+    "dtype_name",
+    "evaluate_symbol_expression",
+    "load",
+    "session_options",
+    "shape_function",
+]
+
+ONNX_FILE = "model.onnx"
+LAYOUT_FILE = "layout.json"
+#: Bumped whenever PieceLayout or the meaning of a field changes; an artifact of another
+#: format is recompiled, never misread.
+LAYOUT_FORMAT = 2
+
+#: torch dtype -> ONNX TensorProto element type: the dtypes an artifact's inputs and
+#: outputs may have (as IOBinding takes them; an integer type also covers bfloat16, which
+#: numpy has no dtype for).
+ONNX_ELEMENT_TYPES: dict[torch.dtype, int] = {
+    torch.float32: onnx.TensorProto.FLOAT,
+    torch.float16: onnx.TensorProto.FLOAT16,
+    torch.bfloat16: onnx.TensorProto.BFLOAT16,
+    torch.float64: onnx.TensorProto.DOUBLE,
+    torch.int64: onnx.TensorProto.INT64,
+    torch.int32: onnx.TensorProto.INT32,
+    torch.bool: onnx.TensorProto.BOOL,
+}
+
+_SYMPY_LOCALS = {name: getattr(sympy_functions, name) for name in dir(sympy_functions) if not name.startswith("_")}
+
+
+class ArtifactError(RuntimeError):
+    """A directory does not hold a loadable artifact of this format; the message says why."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@dataclass
+class PieceLayout:
+    """How to call an artifact. JSON-serialisable; written next to the ONNX file.
+
+    ``inputs``: one entry per ONNX input, in order: ``{"name", "source"}`` where source is
+        ``["arg", i]`` (the piece's i-th argument), ``["cache", u, j]`` (cache j of update
+        u, resolved at call time) or ``["slot_mapping"]``.
+    ``outputs``: one per ONNX output: ``{"name", "dtype", "shape", "target"}``; target is
+        ``["leaf", k]`` or ``["cache", u, j]`` (written in place); shape entries are ints
+        or expressions in the canonical symbols.
+    ``leaves``: the piece's flattened outputs: ``["onnx", i]``, ``["arg", i]`` (an input
+        passed through), ``["dep", dtype]`` (a dependency token), ``["sym", expr]`` or
+        ``["const", value]``.
+    ``symbols``: canonical symbol -> ``["dim", arg, dim]`` or ``["int", arg]``.
+    ``kv_updates``: per cache update, in call order: ``{"op", "layer_name", "names",
+        "cache_dims"}``.
+    ``has_model``: False for a piece with no compute (its leaves are inputs, constants
+        and sizes only): there is no ``model.onnx`` and no session.
+    """
+
+    inputs: list[dict[str, Any]]
+    outputs: list[dict[str, Any]]
+    leaves: list[list[Any]]
+    out_spec: str
+    symbols: dict[str, list[Any]]
+    kv_updates: list[dict[str, Any]]
+    num_args: int
+    has_model: bool = True
+    export_seconds: float = 0.0
+    stats: dict[str, Any] = field(default_factory=dict)
+    format: int = LAYOUT_FORMAT
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> PieceLayout:
+        """Parse a layout; anything but this format's layout is an ArtifactError."""
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise ArtifactError(f"{LAYOUT_FILE} is not JSON: {e}") from e
+        if not isinstance(data, dict):
+            raise ArtifactError(f"{LAYOUT_FILE} holds a {type(data).__name__}, not a layout object")
+        if data.get("format") != LAYOUT_FORMAT:
+            raise ArtifactError(
+                f"{LAYOUT_FILE} is layout format {data.get('format', 1)!r}; this version of qaic_dynamo "
+                f"reads format {LAYOUT_FORMAT}"
+            )
+        names = {f.name for f in fields(cls)}
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        unknown, missing = sorted(set(data) - names), sorted(required - set(data))
+        if unknown or missing:
+            raise ArtifactError(f"{LAYOUT_FILE} does not match format {LAYOUT_FORMAT}: unknown keys {unknown}, missing {missing}")
+        return cls(**data)
+
+
+def shape_function(shape: list[int | str] | None, symbols: dict[str, list[Any]]) -> Callable[[dict[str, int]], list[int]]:
+    """Compile an output's shape spec (ints and expressions in canonical symbols) into a
+    function of the symbols' values."""
+    if shape is None:
+        return lambda sym: []
+    parts: list[Callable[[dict[str, int]], int]] = []
+    for dim in shape:
+        if isinstance(dim, int):
+            parts.append(lambda sym, d=dim: d)
+        elif dim in symbols:
+            parts.append(lambda sym, d=dim: sym[d])
+        else:
+            expr = sympy.sympify(dim, locals={**_SYMPY_LOCALS, **{s: sympy.Symbol(s, integer=True) for s in symbols}})
+            missing = {str(s) for s in expr.free_symbols} - set(symbols)
+            if missing:
+                raise ArtifactError(f"an output size {dim} uses {sorted(missing)}, which no input carries")
+            parts.append(lambda sym, e=expr: int(e.xreplace({sympy.Symbol(k, integer=True): v for k, v in sym.items()})))
+    return lambda sym: [p(sym) for p in parts]
+
+
+def evaluate_symbol_expression(expr: str, values: dict[str, int]) -> int:
+    """The value of a size expression (a ``["sym", expr]`` leaf) for these symbol values."""
+    return int(sympy.sympify(expr, locals=_SYMPY_LOCALS).xreplace({sympy.Symbol(k, integer=True): v for k, v in values.items()}))
+
+
+@dataclass
+class Artifact:
+    """A loaded artifact: its directory, layout and ONNX Runtime session (None when the
+    piece has no model). One artifact serves every call site with its fingerprint."""
+
+    path: Path
+    layout: PieceLayout
+    session: ort.InferenceSession | None
+    output_shapes: list[Callable[[dict[str, int]], list[int]]]
+    output_dtypes: list[torch.dtype]
+    num_threads: int
+
+    @property
+    def needs_symbols(self) -> bool:
+        """Whether a call must evaluate symbol values (dynamic output sizes, size leaves)."""
+        return any(
+            o["target"][0] == "leaf" and any(isinstance(d, str) for d in o["shape"]) for o in self.layout.outputs
+        ) or any(leaf[0] == "sym" for leaf in self.layout.leaves)
+
+
+def session_options(num_threads: int) -> ort.SessionOptions:
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = num_threads
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    # Spinning worker threads would steal the cores from PyTorch's eager attention that
+    # runs between pieces.
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # ONNX Runtime's own graph optimizations fold constants at load and then log every
+    # initializer the folding left unused, for every session. The models we write have
+    # none (lowering removes them); this is the one place ORT's log level is set.
+    opts.log_severity_level = 3  # errors only
+    return opts
+
+
+def load(path: Path, num_threads: int | None = None) -> Artifact:
+    """Load the artifact in ``path``: parse its layout and create its session.
+
+    ``num_threads``: ONNX Runtime intra-op threads (default ``torch.get_num_threads()``).
+    Raises ArtifactError if the directory does not hold a loadable artifact.
+    """
+    path = Path(path)
+    try:
+        text = (path / LAYOUT_FILE).read_text()
+    except OSError as e:
+        raise ArtifactError(f"cannot read {path / LAYOUT_FILE}: {e}") from e
+    layout = PieceLayout.from_json(text)
+    dtypes = []
+    for o in layout.outputs:
+        dtype = getattr(torch, str(o.get("dtype")), None)
+        if dtype not in ONNX_ELEMENT_TYPES:
+            raise ArtifactError(
+                f"output {o['name']} is {o.get('dtype')}; the runtime binds {sorted(dtype_name(d) for d in ONNX_ELEMENT_TYPES)}"
+            )
+        dtypes.append(dtype)
+    threads = num_threads or torch.get_num_threads()
+    session = None
+    if layout.has_model:
+        try:
+            session = ort.InferenceSession(
+                str(path / ONNX_FILE), sess_options=session_options(threads), providers=["CPUExecutionProvider"]
+            )
+        except Exception as e:
+            raise ArtifactError(f"ONNX Runtime could not load {path / ONNX_FILE}: {str(e).splitlines()[0]}") from e
+        compilation_counter.bump(num_runtime_sessions=1)
+    shapes = [shape_function(o["shape"], layout.symbols) for o in layout.outputs]
+    return Artifact(path, layout, session, shapes, dtypes, threads)
