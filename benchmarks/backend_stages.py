@@ -27,7 +27,7 @@ from common import markdown_table, piece_call_costs, save_results  # noqa: E402
 from qaic_dynamo import build_attention_metadata, set_forward_context  # noqa: E402
 from qaic_dynamo.backend import last_compile_report  # noqa: E402
 from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM  # noqa: E402
-from qaic_dynamo.runtime import PieceRunner  # noqa: E402
+from qaic_dynamo.cache import Source  # noqa: E402
 
 
 class Batch:
@@ -88,31 +88,31 @@ def main() -> None:
     rep = last_compile_report()
     backend_s = rep.seconds["total"]
     dynamo_s = first_call - backend_s - warm_call
-    unique = [p for p in rep.pieces if p.kind == "compiled" and not p.reused]
+    unique = [p for p in rep.pieces if p.source is Source.LOWERED]
     stages = {
         "dynamo trace (first call - backend - one warm run)": dynamo_s,
         "split": rep.seconds["split"],
         "fake propagation": rep.seconds["propagate"],
         "fingerprint (all pieces)": rep.seconds["fingerprint"],
-        "ONNX export (unique pieces)": sum(p.export_seconds for p in unique),
+        "lowering: export + checks (unique pieces)": sum(p.compile_seconds for p in unique),
         "session creation (unique pieces)": sum(p.load_seconds for p in unique),
         "backend total": backend_s,
         "cold compile (first call - one warm run)": first_call - warm_call,
     }
-    reuse_s = sum(p.seconds for p in rep.pieces if p.reused)  # lookups + runner creation
+    reuse_s = sum(p.seconds for p in rep.pieces if p.source is Source.MEMORY)  # lookups + runner creation
     fp_share = (rep.seconds["fingerprint"] + reuse_s) / (first_call - warm_call)
     print(f"cold compile {first_call - warm_call:.2f}s: {len(rep.pieces)} pieces, {len(unique)} compiled, "
           f"{rep.reused} reused", flush=True)
     for name, s in stages.items():
         print(f"  {name:<52} {s:8.3f} s")
     for p in unique:
-        print(f"  piece {p.index:>2} ({p.key}): export {p.export_seconds:.3f} s, session {p.load_seconds * 1e3:.1f} ms")
+        print(f"  piece {p.index:>2} ({p.key}): export {p.compile_seconds:.3f} s, session {p.load_seconds * 1e3:.1f} ms")
     print(f"fingerprint + reuse = {fp_share * 100:.2f}% of cold compile (target < 5%): "
           + ("met" if fp_share < 0.05 else "MISSED"), flush=True)
 
     # -- per-call overhead of one middle piece -------------------------------------------------
     captured = {}
-    runners = [m for m in rep.split_module().children() if isinstance(m, PieceRunner)]
+    runners = rep.runners()
     middle = runners[1]
     handle = middle.register_forward_pre_hook(lambda mod, a: captured.__setitem__("args", a))
     decode = Batch(model, prompts, num_blocks=64)
@@ -160,7 +160,7 @@ def main() -> None:
     path = save_results(
         "backend_stages" + ("_quick" if args.quick else ""),
         {"layers": layers, "hidden": hidden, "stages": stages, "fingerprint_reuse_share": fp_share,
-         "unique_pieces": [{"index": p.index, "key": p.key, "export_s": p.export_seconds, "session_s": p.load_seconds}
+         "unique_pieces": [{"index": p.index, "key": p.key, "export_s": p.compile_seconds, "session_s": p.load_seconds}
                            for p in unique],
          "piece_call_us": {"runner": t_runner * 1e6, "ort_run": t_bare * 1e6, "overhead": overhead * 1e6,
                            "eager": t_eager * 1e6},

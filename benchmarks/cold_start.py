@@ -130,7 +130,7 @@ def child(method: str, layers: int, hidden: int, vocab: int) -> dict:
         from qaic_dynamo.backend import last_compile_report
 
         rep = last_compile_report()
-        exports = [p.export_seconds + p.load_seconds for p in rep.pieces if p.kind == "compiled" and not p.reused]
+        exports = [p.compile_seconds + p.load_seconds for p in rep.pieces if p.source is Source.LOWERED]
         result["max_piece_lowering_s"] = max(exports) if exports else 0.0
         result["pieces"] = len(rep.pieces)
     return result

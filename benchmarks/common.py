@@ -98,19 +98,19 @@ def piece_call_costs(runner: Any, args: tuple, ctx: Any, repeats: int) -> tuple[
         runner.eager(*args)
 
     t_runner = median_seconds(call_runner, repeats)
-    call_runner()  # binds the inputs
+    call_runner()  # binds the inputs on this thread
     # The runner binds fresh output tensors on every call; for the bare run, bind outputs
     # that stay alive (ONNX Runtime would otherwise write through freed pointers).
     kept = []
-    sym = runner._symbols(args) if runner._needs_symbols else None
-    for name, target, shape_fn, dtype in runner._outputs:
+    sym = runner.symbol_values(args)
+    for name, target, shape_fn, dtype in runner.output_specs:
         if target[0] == "leaf":
             t = torch.empty(shape_fn(sym), dtype=dtype)
             kept.append(t)
-            runner._bind(name, t, output=True)
+            runner.bind_output(name, t)
 
     def bare_run():
-        runner.artifact.session._sess.run_with_iobinding(runner._c_io, None)
+        runner.run_bound()
 
     t_bare = median_seconds(bare_run, repeats)
     t_eager = median_seconds(call_eager, repeats)

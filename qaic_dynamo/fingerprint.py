@@ -42,7 +42,7 @@ import torch.fx as fx
 
 from qaic_dynamo.artifact import LAYOUT_FORMAT
 
-__all__ = ["CanonicalNames", "Fingerprint", "canonical_names", "code_digest", "fingerprint", "library_versions"]
+__all__ = ["CanonicalNames", "Fingerprint", "canonical_names", "code_digest", "fingerprint", "library_versions", "package_code_digest"]
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 
@@ -82,7 +82,8 @@ def code_digest(root: Path = PACKAGE_ROOT) -> str:
 
 
 @functools.cache
-def _process_code_digest() -> str:
+def package_code_digest() -> str:
+    """:func:`code_digest` of the installed package, computed once per process."""
     return code_digest()
 
 
@@ -238,7 +239,7 @@ def fingerprint(gm: fx.GraphModule, example_args: Sequence[Any], config_hash: st
         "graph": body,
         "config_hash": config_hash,
         "versions": library_versions(),
-        "code": _process_code_digest(),
+        "code": package_code_digest(),
         "layout_format": LAYOUT_FORMAT,
     }
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))

@@ -220,8 +220,10 @@ def outputs_and_leaves(rw: _Rewrite, out_val: Any) -> tuple[list[list[Any]], lis
             leaves.append(["arg", ph_index[leaf]])
         else:
             val = rw.orig_of[leaf].meta["val"]
-            if isinstance(val, torch.SymInt):
+            if isinstance(val, torch.SymInt) and _is_symbolic(val):
                 leaves.append(["sym", canon.expr(val.node.expr)])
+            elif isinstance(val, (bool, int, float, torch.SymInt)):  # static: the key covers it
+                leaves.append(["const", val if not isinstance(val, torch.SymInt) else int(val)])
             elif isinstance(val, torch.Tensor):
                 if leaf not in onnx_outputs:
                     onnx_outputs.append(leaf)

@@ -1,0 +1,419 @@
+"""The pipeline's seams (issue 9): compile and load apart, one op registry, a cache key
+that covers the code, and the correctness bugs a review found, each pinned by a test."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+import qaic_dynamo
+from qaic_dynamo import compilation_counter, fingerprint as fingerprint_stage
+from qaic_dynamo.artifact import LAYOUT_FILE, ArtifactError, PieceLayout
+from qaic_dynamo.backend import QaicBackend, last_compile_report
+from qaic_dynamo.cache import DiskCache, Source, artifact_cache
+from qaic_dynamo.config import DEFAULT_SPLITTING_OPS, CompilationConfig
+from qaic_dynamo.counter import CompilationCounter
+from qaic_dynamo.lowering import LoweringError
+from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM
+from qaic_dynamo.ops import QAIC_OPS, OpRole, kv_cache_update_op, splitting_ops
+from qaic_dynamo.runtime import CacheLayoutError, PieceRunner
+
+from harness import Driver
+
+PROMPTS = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38, 46, 26, 43, 38]]
+
+
+def llama(layers=2, seed=0):
+    torch.manual_seed(seed)
+    return QaicLlamaForCausalLM(QaicLlamaConfig(num_hidden_layers=layers)).eval()
+
+
+def run_steps(model, fn, steps=2, **driver_kw):
+    with torch.no_grad():
+        return Driver(model, PROMPTS, **driver_kw).generate(fn, steps)
+
+
+# --- structure ------------------------------------------------------------------------------
+
+
+def test_loading_artifacts_imports_no_exporter():
+    """The load half never pulls in torch.onnx or onnxscript; neither does the backend
+    until a piece is actually lowered."""
+    code = textwrap.dedent("""
+        import sys
+        import qaic_dynamo.artifact, qaic_dynamo.runtime, qaic_dynamo.cache, qaic_dynamo.backend
+        bad = sorted(m for m in sys.modules if m.startswith(("torch.onnx", "onnxscript")))
+        print(bad)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_op_registry_is_the_one_source():
+    assert DEFAULT_SPLITTING_OPS == splitting_ops() == ("qaic::unified_attention", "qaic::unified_mla_attention")
+    updates = {name: op.retained_state for name, op in QAIC_OPS.items() if op.role is OpRole.KV_CACHE_UPDATE}
+    assert updates == {"qaic::unified_kv_cache_update": ("past_key", "past_value"),
+                       "qaic::unified_mla_kv_cache_update": ("compressed_kv", "k_pe")}
+    scatter = QAIC_OPS["qaic::kv_cache_scatter"]
+    assert scatter.role is OpRole.RETAINED_STATE_SCATTER and scatter.onnx_function == "KVCacheScatter"
+    assert all(QAIC_OPS[op.lowers_to] is scatter for op in QAIC_OPS.values() if op.role is OpRole.KV_CACHE_UPDATE)
+    assert kv_cache_update_op(torch.ops.qaic.unified_kv_cache_update.default).name == "qaic::unified_kv_cache_update"
+    assert kv_cache_update_op(torch.ops.qaic.unified_attention) is None
+    for name in ("KV_CACHE_UPDATE_OPS", "ATTENTION_OPS"):  # the dead duplicates are gone
+        assert not hasattr(qaic_dynamo.ops, name)
+
+
+def kv_scatter_samples():
+    g = torch.Generator().manual_seed(0)
+    for heads, block, tokens, dtype in [(2, 4, 3, torch.float32), (1, 8, 5, torch.float16), (4, 2, 6, torch.bfloat16)]:
+        key = torch.randn(tokens + 1, heads, 8, generator=g).to(dtype)  # one padding row
+        cache = torch.randn(4, heads, block, 8, generator=g).to(dtype)
+        slots = torch.randperm(4 * block, generator=g)[:tokens]
+        slots[-1] = -1
+        yield (key, key * 2, cache, cache.clone(), slots)
+
+
+@pytest.mark.parametrize("sample", list(kv_scatter_samples()), ids=["f32", "f16", "bf16"])
+def test_kv_cache_scatter_op(sample):
+    torch.library.opcheck(torch.ops.qaic.kv_cache_scatter.default, sample)
+    key, value, kc, vc, slots = sample
+    before = kc.clone()
+    new_k, new_v = qaic_dynamo.ops.kv_cache_scatter(key, value, kc, vc, slots)
+    assert torch.equal(kc, before), "the functional op leaves its inputs alone"
+    want_k, want_v = kc.clone(), vc.clone()
+    qaic_dynamo.ops.reshape_and_cache(key, value, want_k, want_v, slots)
+    assert torch.equal(new_k, want_k) and torch.equal(new_v, want_v)
+
+
+def test_layout_rejects_other_formats():
+    layout = PieceLayout(inputs=[], outputs=[], leaves=[], out_spec="", symbols={}, kv_updates=[], num_args=0)
+    assert PieceLayout.from_json(layout.to_json()) == layout
+    data = json.loads(layout.to_json())
+    with pytest.raises(ArtifactError, match="layout format 1; this version of qaic_dynamo reads format 2"):
+        PieceLayout.from_json(json.dumps({k: v for k, v in data.items() if k != "format"}))
+    with pytest.raises(ArtifactError, match=r"unknown keys \['surprise'\]"):
+        PieceLayout.from_json(json.dumps(dict(data, surprise=1)))
+    with pytest.raises(ArtifactError, match="not JSON"):
+        PieceLayout.from_json("{")
+
+
+# --- bug 1: stale artifacts after an edit -------------------------------------------------------
+
+
+def test_code_digest_covers_every_source_file(tmp_path):
+    pkg = tmp_path / "pkg"
+    shutil.copytree(Path(qaic_dynamo.__file__).parent, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    before = fingerprint_stage.code_digest(pkg)
+    assert before == fingerprint_stage.code_digest(pkg)
+    lowering = pkg / "lowering.py"
+    lowering.write_text(lowering.read_text() + "\n# an edit\n")
+    edited = fingerprint_stage.code_digest(pkg)
+    assert edited != before
+    native = next(pkg.glob("_C*.so"))
+    native.write_bytes(native.read_bytes() + b"\0")
+    assert fingerprint_stage.code_digest(pkg) != edited
+
+
+def test_an_edit_to_the_package_misses_the_disk_cache(monkeypatch):
+    model = llama()
+    with compilation_counter.expect(num_backend_compilations=3, num_disk_cache_writes=3):
+        run_steps(model, torch.compile(model, backend="qaic"), steps=0)
+    # A restart with unchanged code loads every piece from disk ...
+    torch._dynamo.reset()
+    artifact_cache.clear_memory()
+    with compilation_counter.expect(num_backend_compilations=0, num_disk_cache_hits=3):
+        run_steps(model, torch.compile(model, backend="qaic"), steps=0)
+    # ... and one after an edit (same version string) compiles again.
+    torch._dynamo.reset()
+    artifact_cache.clear_memory()
+    monkeypatch.setattr(fingerprint_stage, "package_code_digest", lambda: "edited-" + "0" * 57)
+    with compilation_counter.expect(num_backend_compilations=3, num_disk_cache_hits=0):
+        run_steps(model, torch.compile(model, backend="qaic"), steps=0)
+
+
+def _rewrite_entry_file(entry: Path, name: str, text: str) -> None:
+    """Change a file of a committed entry and its checksum, so only its content is wrong."""
+    (entry / name).write_text(text)
+    meta = json.loads((entry / "meta.json").read_text())
+    data = (entry / name).read_bytes()
+    meta["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (entry / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("damage", ["older_format", "unknown_key", "not_json"])
+def test_an_unreadable_layout_is_recompiled_with_a_warning(damage, caplog):
+    model = llama()
+    run_steps(model, torch.compile(model, backend="qaic"), steps=0)
+    report = last_compile_report()
+    entry = Path(report.pieces[0].artifact)
+    layout = json.loads((entry / LAYOUT_FILE).read_text())
+    text = {"older_format": json.dumps({k: v for k, v in layout.items() if k != "format"}),
+            "unknown_key": json.dumps(dict(layout, added_later=True)),
+            "not_json": "{"}[damage]
+    _rewrite_entry_file(entry, LAYOUT_FILE, text)
+    torch._dynamo.reset()
+    artifact_cache.clear_memory()
+    with compilation_counter.expect(num_backend_compilations=1, num_disk_cache_hits=2):
+        out = run_steps(model, torch.compile(model, backend="qaic"), steps=1)
+    assert "does not load" in caplog.text and "recompiling it" in caplog.text
+    ref = run_steps(model, model, steps=1)
+    assert [o.argmax(-1).tolist() for o in out] == [r.argmax(-1).tolist() for r in ref]
+
+
+# --- bug 2: the fallback policy is the config's, not the first caller's --------------------------
+
+
+@torch.library.custom_op("qaic_test::opaque_tanh", mutates_args=())
+def opaque_tanh(x: torch.Tensor) -> torch.Tensor:
+    """No ONNX translation: the exporter cannot lower it."""
+    return torch.tanh(x)
+
+
+@opaque_tanh.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class Opaque(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return opaque_tanh(self.a(x))
+
+
+def test_fallback_error_after_an_eager_fallback_still_raises():
+    torch.manual_seed(0)
+    model, x = Opaque().eval(), torch.randn(3, 8)
+    with pytest.warns(RuntimeWarning, match="runs eagerly"), torch.no_grad():
+        torch.compile(model, backend="qaic")(x)
+    assert last_compile_report().pieces[0].source is Source.FAILED
+    torch._dynamo.reset()  # the failure stays remembered in the artifact cache
+    with pytest.raises(Exception, match="remembered from an identical piece compiled earlier") as e, torch.no_grad():
+        torch.compile(model, backend="qaic", options={"fallback": "error"})(x)
+    assert "qaic_test.opaque_tanh" in str(e.value)
+
+
+def test_a_remembered_failure_is_not_reported_as_reused():
+    torch.manual_seed(0)
+    model, x = Opaque().eval(), torch.randn(3, 8)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # the fallback warns once per process and reason
+        torch.compile(model, backend="qaic")(x)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend="qaic")(x)
+    report = last_compile_report()
+    assert report.pieces[0].source is Source.FAILED and report.pieces[0].reused is False
+    assert (report.reused, report.failed) == (0, 1)
+
+
+# --- bug 3: sessions follow the config's num_threads -------------------------------------------
+
+
+def test_a_second_config_gets_its_own_session_threads():
+    model = llama()
+    run_steps(model, torch.compile(model, backend="qaic", options={"num_threads": 1}), steps=0)
+    first = last_compile_report().runners()
+    assert {r.artifact.session.get_session_options().intra_op_num_threads for r in first} == {1}
+    torch._dynamo.reset()
+    with compilation_counter.expect(num_backend_compilations=0, num_onnx_exports=0, num_runtime_sessions=3):
+        run_steps(model, torch.compile(model, backend="qaic", options={"num_threads": 2}), steps=0)
+    second = last_compile_report().runners()
+    assert {r.artifact.session.get_session_options().intra_op_num_threads for r in second} == {2}
+
+
+# --- bug 4: strided KV caches are refused, never misread ------------------------------------------
+
+
+def test_a_strided_kv_cache_is_a_clear_error():
+    model = llama()
+    driver = Driver(model, PROMPTS)
+    for name, (k, v) in list(driver.caches.items()):
+        wide = torch.zeros(k.shape[0], k.shape[1], 2 * k.shape[2], k.shape[3])
+        driver.caches[name] = (wide[:, :, ::2], v)  # right shape, wrong strides
+    compiled = torch.compile(model, backend="qaic")  # the default fallback must not hide it
+    with pytest.raises(CacheLayoutError, match=r"KV cache of layer 'model.layers.0.self_attn' is not contiguous.*\.contiguous\(\)"), \
+            torch.no_grad():
+        driver.step(compiled, PROMPTS)
+
+
+# --- bug 5: threads ----------------------------------------------------------------------------------
+
+
+def test_one_compiled_model_runs_from_three_threads():
+    """Each thread has its own forward context (caches, slot mapping); every one must get
+    exactly what eager gives it, step after step, with the steps interleaved. (Before
+    runners kept a binding per thread this crashed ONNX Runtime or mixed up caches.)"""
+    torch.manual_seed(0)
+    model = QaicLlamaForCausalLM(QaicLlamaConfig(num_hidden_layers=3, hidden_size=256, intermediate_size=512)).eval()
+    compiled = torch.compile(model, backend="qaic")
+    prompts = [PROMPTS, [[7, 7, 7], [1, 2, 3, 4, 5, 6], [9]], [[11, 12], [13], [14, 15, 16, 17]]]
+    steps = 12
+    with torch.no_grad():
+        want = [Driver(model, p).generate(model, steps) for p in prompts]
+        Driver(model, prompts[0]).generate(compiled, 0)  # compile before the threads start
+    got: dict[int, list] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(prompts))
+
+    def work(i):
+        try:
+            barrier.wait()
+            with torch.no_grad():
+                got[i] = Driver(model, prompts[i]).generate(compiled, steps)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    with compilation_counter.expect(num_backend_compilations=0, num_eager_fallbacks=0):
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    for i in range(len(prompts)):
+        assert [o.argmax(-1).tolist() for o in got[i]] == [w.argmax(-1).tolist() for w in want[i]]
+        assert max((a - b).abs().max().item() for a, b in zip(got[i], want[i])) < 1e-4
+
+
+def test_two_engines_run_from_two_threads():
+    from qaic_dynamo import LLM
+
+    model = llama()
+    prompts = [[[5, 6, 7], [8, 9]], [[1, 2, 3, 4], [10]]]
+    want = [LLM(model, backend="eager", max_num_seqs=2, max_model_len=64).generate(p, 6) for p in prompts]
+    engines = [LLM(model, backend="qaic", max_num_seqs=2, max_model_len=64) for _ in prompts]
+    engines[0].generate(prompts[0], 1)  # compile once up front; the second engine reuses
+    got, errors = {}, []
+
+    def work(i):
+        try:
+            got[i] = engines[i].generate(prompts[i], 6)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert [got[0], got[1]] == want
+
+
+def test_counters_lose_no_updates_under_threads():
+    counter = CompilationCounter()
+
+    def work():
+        for _ in range(20000):
+            counter.bump(num_graphs_seen=1)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert counter.num_graphs_seen == 80000
+
+
+# --- bug 8: degenerate pieces lower (or run directly), with no warning ----------------------------
+
+
+class DeadCodeOnly(nn.Module):
+    def forward(self, x):
+        torch.cumsum(x, 0)  # computed, never used: Dynamo hands such graphs over at breaks
+        return ()
+
+
+class PassThrough(nn.Module):
+    def forward(self, x, y):
+        torch.cumsum(x, 0)  # dead: the piece exists, but only passes its inputs on
+        return (y, x)
+
+
+class ConstantsOnly(nn.Module):
+    def forward(self, x):
+        # A tensor that depends on no input value: the exported graph can fold to an
+        # initializer with no node at all.
+        return (3, 1.5, x.new_ones(2, 3))
+
+
+class SizeOnly(nn.Module):
+    def forward(self, x):
+        return (x.size(0) * 2,)
+
+
+def _fake_graph(module, *shapes, dynamic=False):
+    """A traced graph with fake example values, as Dynamo hands it to a backend."""
+    gm = fx.symbolic_trace(module)
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    with mode:
+        fakes = []
+        for shape in shapes:
+            t = torch.empty(shape)
+            if dynamic:
+                t = mode.from_tensor(torch.empty(shape), symbolic_context=None)
+            fakes.append(t)
+    for node, fake in zip([n for n in gm.graph.nodes if n.op == "placeholder"], fakes):
+        node.meta["example_value"] = fake
+    return gm, fakes
+
+
+@pytest.mark.parametrize("module, shapes, want", [
+    (DeadCodeOnly(), [(4, 3)], lambda x: ()),
+    (PassThrough(), [(2,), (3,)], lambda x, y: (y, x)),
+    (ConstantsOnly(), [(2,)], lambda x: (3, 1.5, x.new_ones(2, 3))),
+    (SizeOnly(), [(5, 2)], lambda x: (10,)),
+], ids=["dead-code", "pass-through", "constants", "size"])
+def test_degenerate_pieces_lower_without_warnings(module, shapes, want):
+    gm, fakes = _fake_graph(module, *shapes)
+    config = CompilationConfig(fallback="error", cache=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with compilation_counter.expect(num_eager_fallbacks=0, num_backend_compilations=1):
+            compiled = QaicBackend(config)(gm, fakes)
+    report = last_compile_report()
+    assert [p.source for p in report.pieces] == [Source.LOWERED]
+    real = [torch.randn(s) for s in shapes]
+    got, expected = compiled(*real), want(*real)
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        if isinstance(b, torch.Tensor):
+            torch.testing.assert_close(a, b)
+        else:
+            assert a == b
+    runner = next(iter(report.runners()), None)
+    assert isinstance(runner, PieceRunner)
+    if not any(isinstance(b, torch.Tensor) and not any(b is r for r in real) for b in expected):
+        assert runner.artifact.session is None, "a piece with no compute needs no session"
+
+
+# --- quiet by default ----------------------------------------------------------------------------
+
+
+def test_a_compile_prints_no_warnings(capfd):
+    model = llama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any Python warning fails the test
+        out = run_steps(model, torch.compile(model, backend="qaic", options={"fallback": "error"}), steps=1)
+    assert len(out) == 2
+    captured = capfd.readouterr()
+    assert "Removing initializer" not in captured.err and "Warning" not in captured.err, captured.err[-2000:]
