@@ -128,6 +128,7 @@ def child(method: str, layers: int, hidden: int, vocab: int) -> dict:
     )
     if method in ("qaic", "per-layer", "warm"):
         from qaic_dynamo.backend import last_compile_report
+        from qaic_dynamo.cache import Source
 
         rep = last_compile_report()
         exports = [p.compile_seconds + p.load_seconds for p in rep.pieces if p.source is Source.LOWERED]

@@ -59,6 +59,7 @@ class PieceReport:
     key: str | None = None  # fingerprint prefix (compilable pieces)
     source: Source | None = None  # where the artifact came from (compilable pieces)
     seconds: float = 0.0  # fingerprint + get-or-compile + runner, this piece
+    fingerprint_seconds: float = 0.0
     compile_seconds: float = 0.0  # lowering + checks (+ qaic-compile), when lowered here
     load_seconds: float = 0.0  # ONNX Runtime session creation, when a session was made
     fallback: str | None = None  # why it runs eagerly
@@ -254,6 +255,9 @@ class QaicBackend:
                 continue
             compilation_counter.bump(num_piecewise_compilable_graphs_seen=1)
             report.pieces.append(self._compile_piece(piece, piece_args[piece.name], fake_mode, split.graph_module))
+        compilable = [p for p in report.pieces if p.source is not None]
+        report.seconds["fingerprint"] = sum(p.fingerprint_seconds for p in compilable)
+        report.seconds["lower+load"] = sum(p.compile_seconds + p.load_seconds for p in compilable)
         report.seconds["pieces"] = time.perf_counter() - t0
         report.seconds["total"] = time.perf_counter() - t_start
         report._module = weakref.ref(split.graph_module)
@@ -266,7 +270,8 @@ class QaicBackend:
         """Key the piece, get its artifact from the cache stage, and put a runner in its place."""
         t0 = time.perf_counter()
         fp = fingerprint(piece.graph_module, args, self.config_hash)
-        entry = PieceReport(piece.index, piece.name, piece.kind, piece.reason, piece.detail, key=fp.prefix)
+        entry = PieceReport(piece.index, piece.name, piece.kind, piece.reason, piece.detail, key=fp.prefix,
+                            fingerprint_seconds=time.perf_counter() - t0)
         label = f"piece {piece.name} ({fp.prefix})"
 
         def compile_into(out_dir: Path) -> None:

@@ -135,13 +135,13 @@ class PieceRunner(torch.nn.Module):
         self._run_c = artifact.session._sess.run_with_iobinding if artifact.session is not None else None
 
     # -- binding ----------------------------------------------------------------------------
-    def _binding(self) -> _ThreadBinding:
+    def _this_thread(self) -> _ThreadBinding:
         b = getattr(self._local, "binding", None)
         if b is None:
             b = self._local.binding = _ThreadBinding(self.artifact.session)
         return b
 
-    def _bind(self, b: _ThreadBinding, name: str, t: torch.Tensor, output: bool = False) -> None:
+    def _attach(self, b: _ThreadBinding, name: str, t: torch.Tensor, output: bool = False) -> None:
         sig = (t.data_ptr(), t.shape, t.dtype, output)
         if b.bound.get(name) != sig:
             dtype = ONNX_ELEMENT_TYPES.get(t.dtype)
@@ -177,7 +177,7 @@ class PieceRunner(torch.nn.Module):
         """Bind this call's inputs and fresh output tensors on the calling thread's
         binding; returns (outputs, symbol values). Resolves the caches through ``ctx``
         (advancing its layer index) unless ``caches`` are given."""
-        b = self._binding()
+        b = self._this_thread()
         if caches is None:
             caches = self._caches(ctx) if self._updates else []
         keep: list[torch.Tensor] = []  # contiguous copies must outlive the run
@@ -192,24 +192,24 @@ class PieceRunner(torch.nn.Module):
                 t = caches[src[1]][src[2]]
             else:
                 t = ctx.attn_metadata.slot_mapping_i64
-            self._bind(b, name, t)
+            self._attach(b, name, t)
         b.keep = keep
         sym = self.symbol_values(args) if self._needs_symbols else None
         outs: list[torch.Tensor | None] = []
         for name, target, shape_fn, dtype in self._outputs:
             if target[0] == "cache":  # in place: the retained-state output is the cache
-                self._bind(b, name, caches[target[1]][target[2]], output=True)
+                self._attach(b, name, caches[target[1]][target[2]], output=True)
                 outs.append(None)
             else:
                 t = torch.empty(shape_fn(sym), dtype=dtype)
-                self._bind(b, name, t, output=True)
+                self._attach(b, name, t, output=True)
                 outs.append(t)
         return outs, sym
 
     def bind_output(self, name: str, t: torch.Tensor) -> None:
         """Bind ``t`` as output ``name`` on the calling thread's binding (benchmarks bind
         outputs that stay alive, then time :meth:`run_bound` alone)."""
-        self._bind(self._binding(), name, t, output=True)
+        self._attach(self._this_thread(), name, t, output=True)
 
     @property
     def output_specs(self) -> list[tuple[str, list[Any], Any, torch.dtype]]:
@@ -220,7 +220,7 @@ class PieceRunner(torch.nn.Module):
         """Run the session on what the calling thread has bound."""
         # The C-level run: the Python wrapper re-validates the binding on every call,
         # which costs more than a decode step's piece computes.
-        self._run_c(self._binding().c_io, None)
+        self._run_c(self._this_thread().c_io, None)
 
     # -- calling ------------------------------------------------------------------------------
     def forward(self, *args: Any) -> Any:
