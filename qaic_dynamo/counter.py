@@ -42,8 +42,10 @@ class CompilationCounter:
     num_backend_compilations: int = 0
     #: Compilable pieces served by an artifact already loaded in this process.
     num_piece_reuses: int = 0
-    #: Calls to the ONNX exporter.
+    #: Pieces lowered to ONNX (by either path).
     num_onnx_exports: int = 0
+    #: Pieces the direct lowering could not translate, lowered by torch.onnx's exporter.
+    num_exporter_fallbacks: int = 0
     #: ONNX Runtime sessions created.
     num_runtime_sessions: int = 0
     #: Compilable pieces that run eagerly because they could not be lowered or run.

@@ -26,11 +26,20 @@ The piece is rewritten by four passes, each a function below, then exported:
    model: the runtime computes its leaves directly.
 4. :func:`export_inputs` - example tensors, names and dynamic dims for the exporter.
 
-Export goes through torch.onnx's exporter core (``torch.export``, decompositions, then
-translation with a registry built once per opset), with every registry op's ONNX
-function as a custom translation; if that private entry is missing it uses the public
-``torch.onnx.export``. The model is then cleaned (no unused initializers, explicit opset
-imports, the qaic functions attached) and must pass ``onnx.checker.check_model(full_check=True)``.
+Then the piece becomes ONNX by the **direct path** (:func:`aten_graph`, then translation):
+one fake-tensor trace of the rewritten graph gives its aten graph, with the decompositions
+for every op the ONNX registry lacks applied *during* that trace; each aten node is then
+translated through the same onnxscript function library ``torch.onnx`` uses, with a
+registry (and every registry op's ONNX function as a custom translation) built once per
+process. There is no ``torch.export`` and no ``run_decompositions`` re-trace: a middle
+transformer piece lowers in a fraction of the exporter's time. The private torch.onnx
+pieces this needs are named in one place (:class:`TorchOnnxInternals`) and used only on
+the tested torch. A piece the direct path cannot translate is lowered by torch.onnx's
+exporter instead, counted (``num_exporter_fallbacks``) and reported with the op that
+forced it.
+
+The model is then cleaned (no unused initializers, explicit opset imports, the qaic
+functions attached) and must pass ``onnx.checker.check_model(full_check=True)``.
 
 Anything that cannot be lowered raises :class:`LoweringError` with the reason; the backend
 decides whether that means an eager fallback or an error.
@@ -348,26 +357,44 @@ def lower_piece(
     config: CompilationConfig,
     out_dir: Path,
 ) -> PieceLayout:
-    """Lower ``gm`` into ``out_dir`` (``model.onnx`` + ``layout.json``) and return its layout."""
+    """Lower ``gm`` into ``out_dir`` (``model.onnx`` + ``layout.json``) and return its layout.
+
+    ``layout.stats`` records how: ``lowered_with`` ("direct" or "exporter"),
+    ``exporter_fallback`` (why the exporter was needed, naming the op) and the seconds of
+    each step (``prepare``, ``translate`` - aten trace and translation, or the exporter -,
+    ``checks``, ``save``).
+    """
+    t0 = time.perf_counter()
     try:
         prepared = prepare(gm, example_args, fake_mode)
     except LoweringError:
         raise
     except Exception as e:  # a rewrite we did not foresee: say where, fall back upstream
         raise LoweringError(f"could not prepare the piece for export: {type(e).__name__}: {e}") from e
+    seconds = {"prepare": time.perf_counter() - t0}
 
     layout = prepared.layout
     out_dir.mkdir(parents=True, exist_ok=True)
     if layout.has_model:
         t0 = time.perf_counter()
-        model = _finish(_export(prepared, config.opset), layout, config.opset)
-        layout.export_seconds = time.perf_counter() - t0
+        compilation_counter.bump(num_onnx_exports=1)
+        model, fallback = _export(prepared, config.opset)
+        seconds["translate"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model = _finish(model, layout, config.opset)
+        seconds["checks"] = time.perf_counter() - t0
+        layout.export_seconds = seconds["translate"] + seconds["checks"]
         layout.stats = {
             "nodes": len(model.graph.node),
             "functions": sorted(f"{f.domain}::{f.name}" for f in model.functions),
             "opset": config.opset,
+            "lowered_with": "direct" if fallback is None else "exporter",
+            "exporter_fallback": fallback,
         }
+        t0 = time.perf_counter()
         onnx.save(model, str(out_dir / ONNX_FILE))
+        seconds["save"] = time.perf_counter() - t0
+    layout.stats["seconds"] = seconds
     (out_dir / LAYOUT_FILE).write_text(layout.to_json())
     return layout
 
@@ -424,21 +451,173 @@ def _translations() -> dict[Any, Any]:
     return {op.overload: TRANSLATIONS[op.onnx_function] for op in QAIC_OPS.values() if op.onnx_function}
 
 
+# --- torch.onnx's private pieces: the one place the lowering names them --------------------
+
+#: The torch the direct path was tested with. Its private exporter modules change between
+#: releases, so on any other torch the exporter path is used, with one warning.
+TESTED_TORCH = "2.13.0"
+
+
+@dataclass(frozen=True)
+class TorchOnnxInternals:
+    """Private torch.onnx modules the direct path uses (torch 2.13):
+
+    * ``_registration.ONNXRegistry.from_torchlib`` - aten op -> onnxscript function;
+    * ``_decomp.get_onnx_implemented_overloads`` / ``create_onnx_friendly_decomposition_table``
+      - decompositions for exactly the ops the registry lacks;
+    * ``_fx_passes.insert_type_promotion_nodes`` / ``remove_assertion_nodes``;
+    * ``_core._translate_fx_graph`` - one FX node at a time into an onnx_ir graph;
+    * ``_ir_passes.add_opset_imports``.
+    """
+
+    core: Any
+    decomp: Any
+    fx_passes: Any
+    ir_passes: Any
+    registration: Any
+
+
+_NEEDED = {
+    "core": ("_translate_fx_graph", "export"),
+    "decomp": ("get_onnx_implemented_overloads", "create_onnx_friendly_decomposition_table"),
+    "fx_passes": ("insert_type_promotion_nodes", "remove_assertion_nodes"),
+    "ir_passes": ("add_opset_imports",),
+    "registration": ("ONNXRegistry",),
+}
+
+
+@functools.cache
+def torch_onnx_internals() -> TorchOnnxInternals | None:
+    """The private pieces, or None (warned once) when this torch is not the tested one or
+    lacks one of them; lowering then goes through the public exporter."""
+    why = None
+    if torch.__version__.split("+")[0] != TESTED_TORCH:
+        why = f"torch {torch.__version__} is not the tested {TESTED_TORCH}"
+    else:
+        try:
+            from torch.onnx._internal.exporter import _core, _decomp, _fx_passes, _ir_passes, _registration
+
+            mods = dict(core=_core, decomp=_decomp, fx_passes=_fx_passes, ir_passes=_ir_passes, registration=_registration)
+            missing = [f"{m}.{a}" for m, attrs in _NEEDED.items() for a in attrs if not hasattr(mods[m], a)]
+            if missing:
+                why = f"torch.onnx lacks {missing}"
+        except ImportError as e:
+            why = f"torch.onnx's exporter modules do not import ({e})"
+    if why is not None:
+        msg = f"qaic: lowering through the public torch.onnx exporter (slower): {why}"
+        logger.warning(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        return None
+    return TorchOnnxInternals(**mods)
+
+
 @functools.cache
 def _registry(opset: int) -> Any:
     """torch.onnx's op registry with our translations, built once per opset.
 
-    The public ``torch.onnx.export`` rebuilds this registry from onnxscript's torch
-    library on every call (~1 s here, a third of a piece's export), so lowering builds it
-    once and calls the exporter's core entry with it. That entry is private; if it is not
-    there (another torch), lowering uses the public API instead.
+    Building it from onnxscript's torch library takes ~1 s here, which the public
+    ``torch.onnx.export`` pays on every call.
     """
-    from torch.onnx._internal.exporter import _registration
-
-    registry = _registration.ONNXRegistry.from_torchlib(opset_version=opset)
+    registry = torch_onnx_internals().registration.ONNXRegistry.from_torchlib(opset_version=opset)
     for target, fn in _translations().items():
         registry.register_op(target, fn, is_complex=False)
     return registry
+
+
+@functools.cache
+def _decompositions(opset: int) -> dict[Any, Any]:
+    """Decompositions for every op the registry cannot translate directly (once per opset)."""
+    decomp = torch_onnx_internals().decomp
+    return decomp.create_onnx_friendly_decomposition_table(set(decomp.get_onnx_implemented_overloads(_registry(opset))))
+
+
+class _DirectPathError(Exception):
+    """The direct path cannot lower this piece; ``op`` is the op that forced the fallback."""
+
+    def __init__(self, op: str, reason: str) -> None:
+        super().__init__(f"{op}: {reason}")
+        self.op = op
+
+
+def _fake_inputs(prepared: PreparedPiece) -> list[torch.Tensor]:
+    """Fresh fake inputs whose dynamic dims (and only those) are symbols.
+
+    A private fake mode and shape env: tracing in Dynamo's own would add guards to the
+    frame being compiled.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    fakes = []
+    for example, dynamic in zip(prepared.example, prepared.dynamic_shapes):
+        dims = [DimDynamic.DYNAMIC if d in (dynamic or {}) else DimDynamic.STATIC for d in range(example.dim())]
+        fakes.append(mode.from_tensor(example, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims)))
+    return fakes
+
+
+def _is_mutation(node: fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+
+
+def aten_graph(prepared: PreparedPiece, opset: int) -> fx.GraphModule:
+    """The piece as a functional aten graph, decomposed to what the registry translates:
+    one fake-tensor trace with the decompositions applied during it (no torch.export, no
+    run_decompositions re-trace)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    internals = torch_onnx_internals()
+    fakes = _fake_inputs(prepared)
+    with (
+        torch._guards.tracing(None),  # the passes below detect their fake mode through it
+        torch.fx.experimental._config.patch(backed_size_oblivious=True),
+        torch._dispatch.python.enable_python_dispatcher(),
+    ):
+        gm = make_fx(prepared.gm, decomposition_table=_decompositions(opset), tracing_mode="fake")(*fakes)
+        # A few decompositions (rms_norm's) write in place; ONNX has no mutation. The
+        # second trace is of an aten graph with no decompositions left, so it is cheap.
+        if any(_is_mutation(n) for n in gm.graph.nodes):
+            gm = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="fake")(*fakes)
+        internals.fx_passes.insert_type_promotion_nodes(gm)
+        internals.fx_passes.remove_assertion_nodes(gm)
+    for node in gm.graph.nodes:
+        node.meta.setdefault("nn_module_stack", {})  # the translator records it per node
+        if node.op == "get_attr":  # a tensor constant: translate its real value
+            node.meta["val"] = operator.attrgetter(node.target)(gm)
+    return gm
+
+
+def _lower_direct(prepared: PreparedPiece, opset: int) -> onnx.ModelProto:
+    """Translate the piece's aten graph node by node through the exporter's registry."""
+    import onnx_ir as ir
+
+    internals = torch_onnx_internals()
+    gm = aten_graph(prepared, opset)
+    model = ir.Model(ir.Graph([], [], nodes=[], name="main_graph"), ir_version=MAX_IR_VERSION, producer_name="qaic_dynamo")
+    try:
+        internals.core._translate_fx_graph(
+            gm.graph, model, graph_like=model.graph, owned_graphs={}, lower="at_conversion", registry=_registry(opset)
+        )
+    except Exception as e:
+        raise _DirectPathError(_failing_op(e), _first_line(e)) from e
+    internals.ir_passes.add_opset_imports(model)
+    if len(model.graph.inputs) != len(prepared.input_names) or len(model.graph.outputs) != len(prepared.output_names):
+        raise _DirectPathError("(graph)", f"translated {len(model.graph.inputs)} inputs / {len(model.graph.outputs)} outputs, "
+                               f"expected {len(prepared.input_names)} / {len(prepared.output_names)}")
+    for value, name in zip(model.graph.inputs, prepared.input_names):
+        value.name = name
+    for value, name in zip(model.graph.outputs, prepared.output_names):
+        value.name = name
+    return ir.serde.serialize_model(model)
+
+
+def _failing_op(e: BaseException) -> str:
+    """The op named in a translation error ("... target=torch.ops.aten.x.default ..."), or
+    the error's type."""
+    import re
+
+    match = re.search(r"target=([\w.:]+)", str(e))
+    return match.group(1) if match else type(e).__name__
 
 
 @contextlib.contextmanager
@@ -451,7 +630,9 @@ def _exporter_noise_suppressed() -> Iterator[None]:
         yield
 
 
-def _export(prepared: PreparedPiece, opset: int) -> onnx.ModelProto:
+def _lower_with_exporter(prepared: PreparedPiece, opset: int) -> onnx.ModelProto:
+    """The fallback: torch.export, run_decompositions and translation (the exporter core
+    with our cached registry when available, else the public ``torch.onnx.export``)."""
     common = dict(
         dynamic_shapes=tuple(prepared.dynamic_shapes),
         input_names=prepared.input_names,
@@ -461,30 +642,42 @@ def _export(prepared: PreparedPiece, opset: int) -> onnx.ModelProto:
         optimize=False,
         verbose=False,
     )
-    compilation_counter.bump(num_onnx_exports=1)
     try:
         # The exporter traces with torch.export. Run it outside Dynamo's tracing context,
         # or the guards it records on its own inputs leak into the frame being compiled.
         with torch._guards.tracing(None), _exporter_noise_suppressed():
-            try:
-                from torch.onnx._internal.exporter import _core
-
-                core_export = _core.export
-                registry = _registry(opset)
-            except (ImportError, AttributeError, TypeError) as e:  # pragma: no cover - other torch versions
-                logger.debug("qaic: using the public torch.onnx.export (%s)", e)
-            else:
+            internals = torch_onnx_internals()
+            if internals is not None:
                 # opset_version=None: the registry already targets the opset, so no version
                 # conversion (which would also inline every function) is needed.
-                program = core_export(prepared.gm, tuple(prepared.example), registry=registry, opset_version=None, **common)
-                return program.model_proto
-            program = torch.onnx.export(
-                prepared.gm, tuple(prepared.example), dynamo=True, opset_version=opset,
-                custom_translation_table=_translations(), **common,
-            )
+                program = internals.core.export(
+                    prepared.gm, tuple(prepared.example), registry=_registry(opset), opset_version=None, **common
+                )
+            else:
+                program = torch.onnx.export(
+                    prepared.gm, tuple(prepared.example), dynamo=True, opset_version=opset,
+                    custom_translation_table=_translations(), **common,
+                )
             return program.model_proto
     except Exception as e:
         raise LoweringError(f"the ONNX exporter failed: {_first_line(e)}") from e
+
+
+def _export(prepared: PreparedPiece, opset: int) -> tuple[onnx.ModelProto, str | None]:
+    """The piece's ONNX model, and why the exporter had to be used (None: direct path)."""
+    if torch_onnx_internals() is None:
+        return _lower_with_exporter(prepared, opset), "this torch has no direct path"
+    try:
+        return _lower_direct(prepared, opset), None
+    except LoweringError:
+        raise
+    except _DirectPathError as e:
+        reason = str(e)
+    except Exception as e:  # the trace or a pass failed: the exporter may still manage
+        reason = f"{_failing_op(e)}: {_first_line(e)}"
+    compilation_counter.bump(num_exporter_fallbacks=1)
+    logger.info("qaic: direct lowering failed (%s); using the exporter", reason)
+    return _lower_with_exporter(prepared, opset), reason
 
 
 def _first_line(e: BaseException) -> str:
