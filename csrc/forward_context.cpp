@@ -153,10 +153,18 @@ ResolvedLayer ForwardContext::lookup(const std::string& layer_name, const char* 
 }
 
 ResolvedLayer ForwardContext::lookup_for_read(const std::string& layer_name, const char* op) const {
-  TORCH_CHECK(
-      layer_name != kFromForwardContext, op,
-      " reads one layer's cache and needs that layer's real name; '", kFromForwardContext,
-      "' is only for the KV-cache update ops");
+  if (layer_name == kFromForwardContext) {
+    // Attention reads the layer whose update ran last: every layer updates its cache and
+    // then attends over it, so with the magic name on both ops no per-layer constant is
+    // left in a traced frame (a whole decoder block compiles once).
+    TORCH_CHECK(
+        kv_cache_layer_index_ > 0, op, " was called with '", kFromForwardContext,
+        "' before any 'from_forward_context' KV-cache update ran in this forward pass; it "
+        "reads the layer updated last, so call the cache update first (or pass the layer's "
+        "real name)");
+    const std::string& name = all_kv_cache_layers_[kv_cache_layer_index_ - 1];
+    return ResolvedLayer{&name, &kv_caches_.find(name)->second.caches};
+  }
   auto it = kv_caches_.find(layer_name);
   if (it == kv_caches_.end()) {
     unknown_layer(layer_name, op);

@@ -187,6 +187,30 @@ def test_unified_attention_matches_sdpa_reference(block_size, heads, kv_heads):
     assert torch.count_nonzero(out[start:]) == 0, "padding rows produce zeros"
 
 
+def test_attention_from_forward_context_reads_the_layer_updated_last():
+    """With the magic name on both ops, each attention reads the layer whose update ran
+    just before it: the same result as naming the layer."""
+    layers = ("l0", "l1", "l2")
+    by_name, magic = (batch(**MIXED, block_size=4, heads=4, kv_heads=2, layers=layers) for _ in range(2))
+    for kc, vc in magic["kv"].values():  # make the layers' contexts differ
+        kc.mul_(1 + len(kc)), vc.add_(1.0)
+    for (name, (kc, vc)), (kc2, vc2) in zip(by_name["kv"].items(), magic["kv"].values()):
+        kc.copy_(kc2), vc.copy_(vc2)
+    outs = {}
+    for b, how in ((by_name, "name"), (magic, "magic")):
+        with set_forward_context(b["md"], b["kv"]):
+            got = []
+            for i, name in enumerate(layers):
+                k, v = b["new_k"] * (i + 1), b["new_v"] - i
+                dep = ops.unified_kv_cache_update(k, v)
+                got.append(ops.unified_attention(b["query"], k, v, name if how == "name" else "from_forward_context",
+                                                 kv_cache_dependency=dep))
+        outs[how] = got
+    for a, b_ in zip(outs["name"], outs["magic"]):
+        torch.testing.assert_close(a, b_)
+    assert not torch.allclose(outs["magic"][0], outs["magic"][1]), "the layers really differ"
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_unified_attention_low_precision(dtype):
     b = batch(**MIXED, block_size=16, heads=4, kv_heads=2, dtype=dtype)
@@ -324,7 +348,7 @@ def test_unified_ops_trace_without_a_context():
         (lambda b: ops.unified_attention(b["query"][:, :3], b["new_k"], b["new_v"], "l0"),
          "3 query heads are not a multiple of 2 kv heads"),
         (lambda b: ops.unified_attention(b["query"], b["new_k"], b["new_v"], "from_forward_context"),
-         "needs that layer's real name"),
+         "before any 'from_forward_context' KV-cache update ran in this forward pass"),
         (lambda b: ops.unified_attention(b["query"].half(), b["new_k"], b["new_v"], "l0"),
          "query is Half but the KV cache is Float"),
         (lambda b: ops.unified_kv_cache_update(b["new_k"][:, :1], b["new_v"][:, :1], "l0"),
