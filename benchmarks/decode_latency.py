@@ -1,7 +1,7 @@
 """Per-step latency of qaic, eager and inductor on the same model and inputs.
 
-One engine step (``LLM._step``: build metadata, set the forward context, run the model,
-slice the logits) for:
+One engine step (``LLM.execute_model``: build metadata, set the forward context, run the
+model, slice the logits) for:
   * prefill: batch 1 x 128 tokens,
   * decode: batch 1 and batch 8, each sequence 128 tokens deep,
 as the median of many steps after warm-up (and of several timing runs). Also, for qaic:
@@ -17,7 +17,9 @@ Target: decode latency at batch 8, qaic <= 1.0 x eager.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -37,20 +39,26 @@ def build(layers: int, hidden: int, vocab: int):
     return hf_model_from_config(hf_config(cfg))
 
 
-def case_batch(llm, kind: str, batch: int):
-    """Sequences as the engine holds them, with blocks assigned, for one step."""
-    from qaic_dynamo.engine import _Seq
+@contextlib.contextmanager
+def case_batch(llm, kind: str, batch: int) -> Iterator[list]:
+    """Requests as the engine holds them for one step, with blocks reserved for the block."""
+    from qaic_dynamo.engine import Request
 
-    per_seq = -(-(CONTEXT + 8) // llm.block_size)
-    seqs = []
-    for i in range(batch):
-        blocks = list(range(i * per_seq, (i + 1) * per_seq))
-        if kind == "prefill":
-            seqs.append((_Seq(i, [7] * CONTEXT, 1, blocks=blocks), [7] * CONTEXT))
-        else:  # decoding the 128th token: 127 cached + this one
-            s = _Seq(i, [7] * (CONTEXT - 1), 8, blocks=blocks, output=[9])
-            seqs.append((s, [9]))
-    return seqs
+    requests = []
+    try:
+        for i in range(batch):
+            if kind == "prefill":
+                r = Request(i, [7] * CONTEXT, max_new_tokens=1)
+            else:  # decoding the 128th token: 127 cached + this one
+                r = Request(i, [7] * (CONTEXT - 1), max_new_tokens=8, output_token_ids=[9],
+                            num_computed_tokens=CONTEXT - 1)
+            if not llm.reserve_blocks(r):
+                raise RuntimeError(f"{kind} x{batch}: the engine has only {llm.num_free_blocks} free KV blocks")
+            requests.append(r)
+        yield requests
+    finally:
+        for r in requests:
+            llm.release_blocks(r)
 
 
 def main() -> None:
@@ -80,12 +88,11 @@ def main() -> None:
         llm = LLM(model, backend=backend, max_num_seqs=8, max_model_len=CONTEXT + 8, block_size=16)
         engines[backend] = llm
         results[backend] = {}
-        with torch.no_grad():
-            for name, kind, b in cases:
-                batch = case_batch(llm, kind, b)
+        for name, kind, b in cases:
+            with case_batch(llm, kind, b) as batch:
                 for _ in range(2):  # warm-up (the first call compiles)
-                    llm._step(batch)
-                results[backend][name] = median_seconds(lambda: llm._step(batch), repeats)
+                    llm.execute_model(batch)
+                results[backend][name] = median_seconds(lambda: llm.execute_model(batch), repeats)
                 print(f"  {backend:>8} {name:<15} {results[backend][name] * 1e3:8.2f} ms", flush=True)
 
     rows = [[name] + [results[b][name] * 1e3 for b in args.backends] for name, _, _ in cases]
@@ -104,21 +111,19 @@ def main() -> None:
         llm = engines["qaic"]
         # Per-piece overhead of a middle piece at decode b8 (the graph that serves it is the
         # newest once a b8 step has run: Dynamo may have specialised again).
-        batch = case_batch(llm, "decode", 8)
-        with torch.no_grad():
-            llm._step(batch)
-        runners = [m for m in last_compile_report().split_module().children() if isinstance(m, PieceRunner)]
-        middle = runners[1] if len(runners) > 2 else runners[0]
-        captured = {}
-        handle = middle.register_forward_pre_hook(lambda mod, a: captured.__setitem__("args", a))
-        with torch.no_grad():
-            llm._step(batch)
-        handle.remove()
-        from qaic_dynamo import build_attention_metadata
+        with case_batch(llm, "decode", 8) as batch:
+            llm.execute_model(batch)
+            runners = [m for m in last_compile_report().split_module().children() if isinstance(m, PieceRunner)]
+            middle = runners[1] if len(runners) > 2 else runners[0]
+            captured = {}
+            handle = middle.register_forward_pre_hook(lambda mod, a: captured.__setitem__("args", a))
+            llm.execute_model(batch)
+            handle.remove()
+            from qaic_dynamo import build_attention_metadata
 
-        md_ = build_attention_metadata([CONTEXT] * 8, [1] * 8, [s.blocks for s, _ in batch], llm.block_size)
-        with torch.no_grad(), set_forward_context(md_, llm.kv_caches, llm.kv_cache_layers) as ctx:
-            t_runner, t_bare, t_eager = piece_call_costs(middle, captured["args"], ctx, repeats)
+            md_ = build_attention_metadata([CONTEXT] * 8, [1] * 8, [r.block_ids for r in batch], llm.block_size)
+            with torch.no_grad(), set_forward_context(md_, llm.kv_caches, llm.kv_cache_layers) as ctx:
+                t_runner, t_bare, t_eager = piece_call_costs(middle, captured["args"], ctx, repeats)
         over = t_runner - t_bare
         payload["middle_piece_us"] = {"runner": t_runner * 1e6, "ort_run": t_bare * 1e6,
                                       "binding_dispatch": over * 1e6, "eager": t_eager * 1e6}
@@ -132,10 +137,9 @@ def main() -> None:
         for mult in (1, 8):
             e = LLM(model, backend="qaic", max_num_seqs=8, max_model_len=CONTEXT + 8, block_size=16,
                     num_blocks=8 * mult * (-(-(CONTEXT + 8) // 16)))
-            b = case_batch(e, "decode", 8)
-            with torch.no_grad():
-                e._step(b)
-                cap[f"{mult}x"] = median_seconds(lambda: e._step(b), repeats)
+            with case_batch(e, "decode", 8) as b:
+                e.execute_model(b)
+                cap[f"{mult}x"] = median_seconds(lambda: e.execute_model(b), repeats)
         payload["capacity_decode_b8_ms"] = {k: v * 1e3 for k, v in cap.items()}
         payload["capacity_8x_over_1x"] = cap["8x"] / cap["1x"]
         line = (f"decode b8 at 1x / 8x KV capacity: {cap['1x'] * 1e3:.2f} / {cap['8x'] * 1e3:.2f} ms "

@@ -4,13 +4,20 @@
     llm = LLM(model, backend="qaic", max_num_seqs=8, max_model_len=512, block_size=16)
     out = llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], max_new_tokens=16)  # greedy
 
-What it does, per step: schedules the waiting and running sequences into one flat batch
+What it does, per step: schedules the waiting and running requests into one flat batch
 (new prompts are prefilled whole, running ones decode one token, mixed freely), builds
 the slot mapping and block tables, sets the forward context, runs the (compiled) model
-and picks the next token of every sequence. Blocks are reserved for a sequence's whole
-length when it is admitted and freed when it finishes; a request that does not fit in
-the free blocks waits in the queue until enough are freed (it never preempts and never
-truncates). Requests that could never fit, or are malformed, are rejected up front.
+(:meth:`LLM.execute_model`) and picks the next token of every request. Blocks are
+reserved for a request's whole length when it is admitted and released when it finishes,
+or when ``generate`` stops on an exception, so the engine is usable again afterwards
+(``LLM.num_free_blocks`` is back to ``num_blocks`` after every ``generate``); a
+request that does not fit in the free blocks waits in the queue until enough are freed
+(it never preempts and never truncates). Requests that could never fit, or are
+malformed, are rejected up front.
+
+The engine never changes the model it is given: it runs its own copy of the module tree,
+which shares the weight tensors (see :mod:`qaic_dynamo.models`), so the same model can
+back several engines and still run on its own.
 
 The cache of every layer is ``[num_blocks, num_kv_heads, block_size, head_size]``, the op
 layer's layout; the model's layers are registered in model order, so
@@ -33,7 +40,7 @@ import torch
 
 from qaic_dynamo.forward_context import build_attention_metadata, set_forward_context
 
-__all__ = ["LLM", "RequestOutput"]
+__all__ = ["LLM", "Request", "RequestOutput"]
 
 BACKENDS = ("qaic", "eager", "inductor")
 
@@ -47,21 +54,41 @@ class RequestOutput:
 
 
 @dataclass
-class _Seq:
-    index: int
-    prompt: list[int]
+class Request:
+    """One sequence as the engine tracks it between steps.
+
+    ``num_computed_tokens`` of its tokens (prompt, then output) have their K/V in the cache,
+    in the slots of ``block_ids``; the next :meth:`LLM.execute_model` feeds the rest. A new
+    request has none computed (its prefill feeds the whole prompt); after each step the
+    caller appends the chosen token and sets ``num_computed_tokens`` to the number of
+    tokens fed so far, so a decode step feeds that one token.
+    """
+
+    request_id: int
+    prompt_token_ids: list[int]
     max_new_tokens: int
-    blocks: list[int] = field(default_factory=list)
-    output: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    #: The logits row of every generated token, when the caller keeps them.
     logits: list[torch.Tensor] | None = None
 
     @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
 
     @property
-    def done(self) -> bool:
-        return len(self.output) >= self.max_new_tokens
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Its length when finished: what its blocks are reserved for."""
+        return len(self.prompt_token_ids) + self.max_new_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.output_token_ids) >= self.max_new_tokens
 
 
 class LLM:
@@ -71,7 +98,8 @@ class LLM:
         model: a ``transformers`` causal-LM instance, a path to a local model directory
             (config, plus safetensors weights if present), a package reference model
             instance (``qaic_dynamo.models``), or a reference model name
-            (``"llama"``, ``"mla"``) built with random weights.
+            (``"llama"``, ``"mla"``) built with random weights. A model instance is left
+            unchanged: the engine runs a copy of its module tree that shares its weights.
         backend: ``"qaic"`` (the default), ``"eager"`` (no compile) or ``"inductor"``.
         max_num_seqs: sequences per ``generate`` call and per batch.
         max_model_len: longest sequence (prompt + generated tokens).
@@ -82,7 +110,11 @@ class LLM:
             ``"from_forward_context"`` (default) so middle layers compile once; ``False``
             passes each layer's real name (the per-layer baseline).
         compile_options: ``options`` for ``torch.compile`` (qaic backend).
-        dtype: cast the model (and caches) to this dtype.
+        dtype: run the model and the caches in this dtype; a model of another dtype is
+            cast into the engine's own copy of its weights (the given model is unchanged).
+
+    Raises NotImplementedError, before anything is traced, for a model whose attention the
+    qaic ops do not implement (e.g. logit soft-capping, attention sinks).
     """
 
     def __init__(
@@ -105,9 +137,7 @@ class LLM:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len), ("block_size", block_size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"LLM: {name} must be a positive int, got {value!r}")
-        self.model = load_model(model, layer_agnostic_kv_update=layer_agnostic_kv_update)
-        if dtype is not None:
-            self.model = self.model.to(dtype)
+        self.model = load_model(model, layer_agnostic_kv_update=layer_agnostic_kv_update, dtype=dtype)
         self.model.eval()
         self.backend = backend
         self.max_num_seqs, self.max_model_len, self.block_size = max_num_seqs, max_model_len, block_size
@@ -129,6 +159,32 @@ class LLM:
         else:
             self._fn = torch.compile(self.model, backend="inductor")
         self.stats: dict[str, float] = {}
+
+    # -- KV blocks ------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """KV blocks not reserved by any request (``num_blocks`` when the engine is idle)."""
+        return len(self._free_blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """KV blocks that hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def reserve_blocks(self, request: Request) -> bool:
+        """Give ``request`` blocks for its whole length (``max_num_tokens``) if that many
+        are free; returns whether it did. Release them with :meth:`release_blocks`."""
+        if request.block_ids:
+            raise ValueError(f"reserve_blocks: request {request.request_id} already holds blocks")
+        need = self.blocks_needed(request.max_num_tokens)
+        if need > len(self._free_blocks):
+            return False
+        request.block_ids = [self._free_blocks.popleft() for _ in range(need)]
+        return True
+
+    def release_blocks(self, request: Request) -> None:
+        """Return ``request``'s blocks to the free pool (a no-op if it holds none)."""
+        self._free_blocks.extend(request.block_ids)
+        request.block_ids = []
 
     # -- validation -----------------------------------------------------------------------
     def _validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
@@ -159,7 +215,7 @@ class LLM:
                     f"generate: prompt {i} ({len(p)} tokens) + max_new_tokens={max_new_tokens} exceeds "
                     f"max_model_len={self.max_model_len}; shorten it, lower max_new_tokens or raise max_model_len"
                 )
-            need = -(-(len(p) + max_new_tokens) // self.block_size)
+            need = self.blocks_needed(len(p) + max_new_tokens)
             if need > self.num_blocks:
                 raise ValueError(
                     f"generate: prompt {i} needs {need} KV blocks of {self.block_size} tokens but the cache has "
@@ -175,58 +231,74 @@ class LLM:
     def generate_outputs(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16, return_logits: bool = False
     ) -> list[RequestOutput]:
+        """Like :meth:`generate`, as ``RequestOutput``s, with the logits of every generated
+        token when ``return_logits``. If a step raises, every block is released before the
+        exception propagates, and the engine can be used again."""
         prompts = [list(p) for p in prompts]
         self._validate(prompts, max_new_tokens)
-        waiting = collections.deque(
-            _Seq(i, p, max_new_tokens, logits=[] if return_logits else None) for i, p in enumerate(prompts)
-        )
-        running: list[_Seq] = []
-        finished: list[_Seq] = []
+        requests = [
+            Request(i, p, max_new_tokens, logits=[] if return_logits else None) for i, p in enumerate(prompts)
+        ]
+        waiting = collections.deque(requests)
+        running: list[Request] = []
         t0 = time.perf_counter()
         steps = tokens = 0
-        while waiting or running:
-            new = self._admit(waiting, running)
-            if not running:
-                raise RuntimeError("LLM: no sequence could be scheduled")  # unreachable: validated
-            batch = [(s, s.prompt if s in new else s.output[-1:]) for s in running]
-            logits = self._step(batch)
-            steps += 1
-            tokens += sum(len(t) for _, t in batch)
-            for (seq, _), row in zip(batch, logits):
-                seq.output.append(int(row.argmax()))
-                if seq.logits is not None:
-                    seq.logits.append(row.clone())
-            for seq in [s for s in running if s.done]:
-                running.remove(seq)
-                self._free_blocks.extend(seq.blocks)
-                seq.blocks = []
-                finished.append(seq)
+        try:
+            while waiting or running:
+                self._admit(waiting, running)
+                if not running:
+                    raise RuntimeError("LLM: no sequence could be scheduled")  # unreachable: validated
+                logits = self.execute_model(running)
+                steps += 1
+                for req, row in zip(running, logits):
+                    tokens += req.num_tokens - req.num_computed_tokens
+                    req.num_computed_tokens = req.num_tokens
+                    req.output_token_ids.append(int(row.argmax()))
+                    if req.logits is not None:
+                        req.logits.append(row.clone())
+                for req in [r for r in running if r.is_finished]:
+                    running.remove(req)
+                    self.release_blocks(req)
+        finally:  # on success only finished requests remain, holding no blocks
+            for req in requests:
+                self.release_blocks(req)
         self.stats = {"steps": steps, "tokens": tokens, "seconds": time.perf_counter() - t0}
-        finished.sort(key=lambda s: s.index)
-        return [RequestOutput(s.prompt, s.output, s.logits) for s in finished]
+        return [RequestOutput(r.prompt_token_ids, r.output_token_ids, r.logits) for r in requests]
 
-    def _admit(self, waiting: collections.deque, running: list[_Seq]) -> list[_Seq]:
-        """Move waiting sequences in while there are slots and free blocks (FIFO)."""
-        admitted = []
+    def _admit(self, waiting: collections.deque[Request], running: list[Request]) -> None:
+        """Move waiting requests in while there are slots and free blocks (FIFO)."""
         while waiting and len(running) < self.max_num_seqs:
-            seq = waiting[0]
-            need = -(-(len(seq.prompt) + seq.max_new_tokens) // self.block_size)
-            if need > len(self._free_blocks):
-                break  # queued until running sequences finish and free their blocks
-            waiting.popleft()
-            seq.blocks = [self._free_blocks.popleft() for _ in range(need)]
-            running.append(seq)
-            admitted.append(seq)
-        return admitted
+            if not self.reserve_blocks(waiting[0]):
+                break  # queued until running requests finish and release their blocks
+            running.append(waiting.popleft())
 
-    def _step(self, batch: list[tuple[_Seq, list[int]]]) -> torch.Tensor:
-        """One forward over every sequence's new tokens; returns their last-token logits."""
-        q_lens = [len(toks) for _, toks in batch]
-        # Tokens in the cache after this step: the prompt when prefilling, else everything
-        # so far (the token fed now is the last output).
-        seq_lens = [len(seq.prompt) if not seq.output else len(seq.tokens) for seq, _ in batch]
-        ids = [t for _, toks in batch for t in toks]
-        positions = [p for (seq, toks), n in zip(batch, seq_lens) for p in range(n - len(toks), n)]
+    def execute_model(self, requests: Sequence[Request]) -> torch.Tensor:
+        """One forward pass over a batch: every request's tokens not yet in the cache
+        (``all_token_ids[num_computed_tokens:]``: the prompt when prefilling, the last
+        output token when decoding), written to the slots of its ``block_ids``.
+
+        Returns the logits of each request's last token, ``[len(requests), vocab]``. The
+        requests are not changed (the caller picks the next token and advances
+        ``num_computed_tokens``), so the same batch can be run again, e.g. to time it.
+        """
+        if not requests:
+            raise ValueError("execute_model: the batch is empty")
+        for r in requests:
+            if r.num_computed_tokens >= r.num_tokens:
+                raise ValueError(
+                    f"execute_model: request {r.request_id} has no token to feed: all {r.num_tokens} are "
+                    "computed; append the next token (or leave it out of the batch)"
+                )
+            if any(not 0 <= b < self.num_blocks for b in r.block_ids):
+                raise ValueError(
+                    f"execute_model: request {r.request_id} has block ids outside [0, {self.num_blocks}): "
+                    f"{[b for b in r.block_ids if not 0 <= b < self.num_blocks][:5]}"
+                )
+        new_tokens = [r.all_token_ids[r.num_computed_tokens:] for r in requests]
+        q_lens = [len(t) for t in new_tokens]
+        seq_lens = [r.num_tokens for r in requests]  # tokens in the cache after this step
+        ids = [t for toks in new_tokens for t in toks]
+        positions = [p for r in requests for p in range(r.num_computed_tokens, r.num_tokens)]
         num_tokens = max(2, len(ids))  # sizes 0/1 are specialised by Dynamo: keep >= 2
         ids += [0] * (num_tokens - len(ids))
         positions += [0] * (num_tokens - len(positions))
@@ -235,8 +307,8 @@ class LLM:
         input_ids, pos = torch.tensor(ids), torch.tensor(positions)
         for t in (input_ids, pos, logits_indices):
             torch._dynamo.maybe_mark_dynamic(t, 0)
-        md = build_attention_metadata(seq_lens, q_lens, [seq.blocks for seq, _ in batch], self.block_size,
+        md = build_attention_metadata(seq_lens, q_lens, [r.block_ids for r in requests], self.block_size,
                                       num_tokens=num_tokens)
-        with set_forward_context(md, self.kv_caches, self.kv_cache_layers):
+        with torch.no_grad(), set_forward_context(md, self.kv_caches, self.kv_cache_layers):
             logits = self._fn(input_ids, pos, logits_indices)
-        return logits[: len(batch)]
+        return logits[: len(requests)]

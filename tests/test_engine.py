@@ -40,6 +40,17 @@ def test_reference_models_qaic_matches_eager(kind, layers):
             torch.testing.assert_close(lc, le, atol=1e-4, rtol=0)
 
 
+def test_reference_configs_share_one_keyword_only_base():
+    from qaic_dynamo.models import QaicModelConfig
+
+    llama, mla = QaicLlamaConfig(hidden_size=64, rope_theta=5e5), QaicMLAConfig(hidden_size=64, rope_theta=5e5)
+    assert isinstance(llama, QaicModelConfig) and isinstance(mla, QaicModelConfig)
+    assert (llama.hidden_size, llama.rope_theta, llama.head_dim) == (64, 5e5, 16)
+    assert (mla.hidden_size, mla.rope_theta, mla.rms_norm_eps) == (64, 5e5, 1e-6)
+    with pytest.raises(TypeError):
+        QaicLlamaConfig(512)  # keyword-only: field order is not an interface
+
+
 def test_mla_absorbed_attention_matches_the_naive_model():
     model = reference("mla", 3).eval()
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -49,9 +60,9 @@ def test_mla_absorbed_attention_matches_the_naive_model():
 
 def test_blocks_are_paged_and_freed():
     llm = LLM(reference("llama", 2), backend="eager", max_num_seqs=4, max_model_len=64, block_size=4)
-    assert len(llm._free_blocks) == llm.num_blocks == 4 * 16
+    assert llm.num_free_blocks == llm.num_blocks == 4 * 16
     llm.generate(PROMPTS, 5)
-    assert sorted(llm._free_blocks) == list(range(llm.num_blocks)), "every block is returned"
+    assert llm.num_free_blocks == llm.num_blocks, "every block is returned"
 
 
 def test_requests_wait_for_blocks_instead_of_truncating():

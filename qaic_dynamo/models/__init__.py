@@ -8,10 +8,16 @@
 Every model the engine drives has the same small surface: ``forward(input_ids [T],
 positions [T], logits_indices [N]) -> logits [N, vocab]``, ``vocab_size``,
 ``kv_cache_layers`` (model order) and ``kv_cache_shapes(num_blocks, block_size)``.
+
+:func:`load_model` never changes a model it is given: adapting one (naming attention
+layers, switching ``attn_implementation``, choosing the KV-update name, casting) happens
+on a copy of its module tree that shares the weight tensors (:func:`copy_module_tree`),
+so the caller's model still runs as before and no weights are duplicated.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -21,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from qaic_dynamo.models.llama import QaicLlamaConfig, QaicLlamaForCausalLM
+from qaic_dynamo.models.llama import QaicCausalLM, QaicLlamaConfig, QaicLlamaForCausalLM, QaicModelConfig
 from qaic_dynamo.models.mla import QaicMLAConfig, QaicMLAForCausalLM
 
 __all__ = [
@@ -29,7 +35,9 @@ __all__ = [
     "QaicLlamaForCausalLM",
     "QaicMLAConfig",
     "QaicMLAForCausalLM",
+    "QaicModelConfig",
     "REFERENCE_MODELS",
+    "copy_module_tree",
     "hf_config",
     "hf_model_from_config",
     "load_model",
@@ -60,51 +68,85 @@ def hf_config(source: str | os.PathLike | dict[str, Any]) -> Any:
 
 
 def hf_model_from_config(config: Any, seed: int = 0) -> nn.Module:
-    """A transformers causal LM with random weights from a fixed seed."""
+    """A transformers causal LM with random weights from a fixed seed.
+
+    Its own attention is transformers' default (sdpa, or eager where the architecture has
+    no sdpa path, e.g. Gemma2), so any architecture can be built and then checked by
+    ``HFCausalLM``, whose refusal names what the qaic ops lack."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    return AutoModelForCausalLM.from_config(config).eval()
 
 
 def _from_local(path: Path) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     if path.is_dir() and any(path.glob("*.safetensors")):
-        return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, attn_implementation="sdpa").eval()
+        return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True).eval()
     logger.warning("qaic: %s has no safetensors weights; using random weights (seed 0)", path)
     return hf_model_from_config(hf_config(path))
 
 
-def load_model(model: Any, layer_agnostic_kv_update: bool = True) -> nn.Module:
-    """Whatever ``LLM(model)`` was given, as a model the engine can drive."""
+def copy_module_tree(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """A copy of ``model`` whose modules, config and other attributes are its own but whose
+    parameters and buffers are ``model``'s tensors (tied weights stay tied).
+
+    Changing an attribute of the copy, or of its config, leaves ``model`` as it was, at no
+    cost in memory. With ``dtype``, floating-point parameters and buffers of another dtype
+    are cast copies instead (what ``model.to(dtype)`` would cast), made directly rather
+    than by casting in place: ``Module.to`` swaps the ``.data`` of the very parameter
+    objects the caller's model holds.
+    """
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        if dtype is None or not t.is_floating_point() or t.dtype == dtype:
+            return t
+        cast = t.detach().to(dtype)
+        return nn.Parameter(cast, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else cast
+
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo={key: own(t) for key, t in tensors.items()})
+
+
+def _build(source: str) -> nn.Module:
+    """A new model from a reference model name or a local directory."""
+    if source in REFERENCE_MODELS:
+        cfg_cls, model_cls = REFERENCE_MODELS[source]
+        torch.manual_seed(0)
+        return model_cls(cfg_cls())
+    if Path(source).exists():
+        return _from_local(Path(source))
+    raise FileNotFoundError(
+        f"LLM: {source!r} is neither a local model directory nor a reference model "
+        f"({sorted(REFERENCE_MODELS)}); models are never downloaded"
+    )
+
+
+def load_model(model: Any, layer_agnostic_kv_update: bool = True, dtype: torch.dtype | None = None) -> nn.Module:
+    """Whatever ``LLM(model)`` was given, as a model the engine can drive, in ``dtype``
+    (default: the model's own). A model instance given is not changed (see the module
+    docstring)."""
     from qaic_dynamo.models.hf import HFCausalLM
 
-    if isinstance(model, (str, os.PathLike)):
-        key = str(model)
-        if key in REFERENCE_MODELS:
-            cfg_cls, model_cls = REFERENCE_MODELS[key]
-            torch.manual_seed(0)
-            model = model_cls(cfg_cls())
-        elif Path(key).exists():
-            model = _from_local(Path(key))
-        else:
-            raise FileNotFoundError(
-                f"LLM: {key!r} is neither a local model directory nor a reference model "
-                f"({sorted(REFERENCE_MODELS)}); models are never downloaded"
-            )
-    if isinstance(model, (QaicLlamaForCausalLM, QaicMLAForCausalLM)):
-        model.set_layer_agnostic_kv_update(layer_agnostic_kv_update)
-        return model
-    if isinstance(model, HFCausalLM):
-        return HFCausalLM(model.hf, layer_agnostic_kv_update)
     try:
         from transformers import PreTrainedModel
     except ImportError:  # pragma: no cover
         PreTrainedModel = ()  # type: ignore[assignment]
-    if isinstance(model, PreTrainedModel):
-        return HFCausalLM(model, layer_agnostic_kv_update)
-    raise TypeError(
-        f"LLM: cannot run a {type(model).__name__}; pass a transformers causal LM, a local model "
-        f"directory, a qaic_dynamo.models reference model or one of {sorted(REFERENCE_MODELS)}"
-    )
+    if isinstance(model, (str, os.PathLike)):
+        model = _build(str(model))  # ours: adapted in place
+        if dtype is not None:
+            model = model.to(dtype)
+    elif isinstance(model, HFCausalLM):
+        model = copy_module_tree(model.hf, dtype)  # re-wrapped below with this call's options
+    elif isinstance(model, (QaicCausalLM, PreTrainedModel)):
+        model = copy_module_tree(model, dtype)
+    else:
+        raise TypeError(
+            f"LLM: cannot run a {type(model).__name__}; pass a transformers causal LM, a local model "
+            f"directory, a qaic_dynamo.models reference model or one of {sorted(REFERENCE_MODELS)}"
+        )
+    if isinstance(model, QaicCausalLM):
+        model.set_layer_agnostic_kv_update(layer_agnostic_kv_update)
+        return model
+    return HFCausalLM(model, layer_agnostic_kv_update)

@@ -11,6 +11,10 @@ path works without special cases; nothing here names a model family.
 The engine feeds a flat batch: all new tokens of all sequences as one row
 ``input_ids [1, T]`` with their real ``position_ids``, so RoPE is right per token and the
 attention op, not the mask, keeps sequences apart.
+
+Attention features the qaic op does not implement (logit soft-capping, attention sinks)
+are refused when :class:`HFCausalLM` is built, before anything is traced; the attention
+function checks again at run time for models that slip past the structural check.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch.nn as nn
 
 from qaic_dynamo.forward_context import FROM_FORWARD_CONTEXT
 
-__all__ = ["ATTN_IMPLEMENTATION", "HFCausalLM", "register_qaic_attention"]
+__all__ = ["ATTN_IMPLEMENTATION", "HFCausalLM", "register_qaic_attention", "unsupported_attention_features"]
 
 ATTN_IMPLEMENTATION = "qaic"
 
@@ -52,10 +56,13 @@ def qaic_attention_forward(
             f"attn_implementation='qaic' runs a flat batch (batch dimension 1, sequences kept "
             f"apart by the forward context); got batch {query.shape[0]}"
         )
-    if softcap is not None or kwargs.get("s_aux") is not None:
+    # A backstop: HFCausalLM refuses these up front (unsupported_attention_features).
+    unsupported = [name for name, used in (("attention logit soft-capping", softcap is not None),
+                                           ("attention sinks", kwargs.get("s_aux") is not None)) if used]
+    if unsupported:
         raise NotImplementedError(
-            f"{type(module).__name__} uses attention logit soft-capping or sinks, which the qaic "
-            "attention op does not implement"
+            f"{type(module).__name__} uses {' and '.join(unsupported)}, which the qaic attention op "
+            "does not implement"
         )
     q = query[0].transpose(0, 1)  # [T, H, D]
     k = key[0].transpose(0, 1)
@@ -89,8 +96,29 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return sorted(found, key=lambda nm: nm[1].layer_idx)
 
 
+def unsupported_attention_features(config: Any, layers: list[tuple[str, nn.Module]]) -> list[str]:
+    """The attention features of a model that the qaic attention op does not implement,
+    found from its config and attention modules (what they would pass the interface)."""
+    found = []
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None or any(getattr(m, "attn_logit_softcapping", None) is not None for _, m in layers):
+        found.append("attention logit soft-capping (config.attn_logit_softcapping)")
+    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for _, m in layers):
+        found.append("attention sinks (a 'sinks' parameter in the attention modules)")
+    return found
+
+
 class HFCausalLM(nn.Module):
-    """A transformers causal LM as the engine sees it: flat tokens in, chosen logits out."""
+    """A transformers causal LM as the engine sees it: flat tokens in, chosen logits out.
+
+    Adapts ``hf_model`` in place: names its attention modules (``qaic_layer_name``,
+    ``qaic_kv_update_name``) and switches its ``config._attn_implementation`` to
+    ``"qaic"``. ``qaic_dynamo.LLM`` hands it a copy of the module tree sharing the weights
+    (:func:`qaic_dynamo.models.copy_module_tree`), so the caller's model is left as it was.
+
+    Raises NotImplementedError for an architecture whose attention the qaic ops cannot
+    run (see :func:`unsupported_attention_features`).
+    """
 
     def __init__(self, hf_model: nn.Module, layer_agnostic_kv_update: bool = True) -> None:
         super().__init__()
@@ -106,6 +134,12 @@ class HFCausalLM(nn.Module):
                 f"{type(hf_model).__name__}: found {len(layers)} attention modules using transformers' "
                 f"attention interface but the config has {expected} layers; this architecture is not "
                 "supported by attn_implementation='qaic'"
+            )
+        unsupported = unsupported_attention_features(text_config, layers)
+        if unsupported:
+            raise NotImplementedError(
+                f"{type(hf_model).__name__} uses {' and '.join(unsupported)}, which the qaic attention op "
+                "does not implement; run this model with another attn_implementation (outside qaic_dynamo)"
             )
         for name, m in layers:
             m.qaic_layer_name = name

@@ -24,21 +24,29 @@ import torch.nn.functional as F
 
 from qaic_dynamo.forward_context import FROM_FORWARD_CONTEXT
 
-__all__ = ["QaicCausalLM", "QaicDecoderLayer", "QaicLlamaConfig", "QaicLlamaForCausalLM"]
+__all__ = ["QaicCausalLM", "QaicDecoderLayer", "QaicLlamaConfig", "QaicLlamaForCausalLM", "QaicModelConfig"]
 
 
-@dataclass
-class QaicLlamaConfig:
+@dataclass(kw_only=True)
+class QaicModelConfig:
+    """What every reference model's config holds: the decoder's sizes, norm, RoPE, and
+    how attention layers name themselves to the KV-cache update (see the module docstring).
+    Keyword-only, so a subclass adding fields cannot shift a positional argument."""
+
     vocab_size: int = 512
     hidden_size: int = 128
     intermediate_size: int = 256
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int | None = None
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     layer_agnostic_kv_update: bool = True
+
+
+@dataclass(kw_only=True)
+class QaicLlamaConfig(QaicModelConfig):
+    num_key_value_heads: int = 2
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -81,7 +89,7 @@ class QaicAttention(nn.Module):
 class QaicDecoderLayer(nn.Module):
     """Pre-norm decoder layer: attention (any qaic attention module) + SwiGLU MLP."""
 
-    def __init__(self, cfg: Any, attention: nn.Module) -> None:
+    def __init__(self, cfg: QaicModelConfig, attention: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.self_attn = attention
@@ -99,7 +107,7 @@ class QaicCausalLM(nn.Module):
     """What the reference models share: embedding, decoder layers, final norm, head, RoPE,
     and the surface the engine drives (vocab_size, kv_cache_layers, kv_cache_shapes)."""
 
-    def __init__(self, cfg: Any, attention_cls: type[nn.Module], rope_dim: int) -> None:
+    def __init__(self, cfg: QaicModelConfig, attention_cls: type[nn.Module], rope_dim: int) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)

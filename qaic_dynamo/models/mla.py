@@ -26,26 +26,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qaic_dynamo.forward_context import FROM_FORWARD_CONTEXT
-from qaic_dynamo.models.llama import QaicCausalLM, rotate_half
+from qaic_dynamo.models.llama import QaicCausalLM, QaicModelConfig, rotate_half
 
 __all__ = ["QaicMLAConfig", "QaicMLAForCausalLM"]
 
 
-@dataclass
-class QaicMLAConfig:
-    vocab_size: int = 512
-    hidden_size: int = 128
-    intermediate_size: int = 256
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    q_lora_rank: int | None = None  # None: a plain q_proj
+@dataclass(kw_only=True)
+class QaicMLAConfig(QaicModelConfig):
     kv_lora_rank: int = 64
     qk_nope_head_dim: int = 32
     qk_rope_head_dim: int = 16
     v_head_dim: int = 32
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    layer_agnostic_kv_update: bool = True
+    rms_norm_eps: float = 1e-6  # DeepSeek-V2's (the base keeps Llama's 1e-5)
 
 
 class QaicMLAttention(nn.Module):
