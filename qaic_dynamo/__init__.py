@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 # The backend pulls in onnx, onnxscript and onnxruntime; load it only when asked for.
 _LAZY = {
     "LLM": "qaic_dynamo.engine",
+    "Request": "qaic_dynamo.engine",
     "RequestOutput": "qaic_dynamo.engine",
     "CompilationConfig": "qaic_dynamo.config",
     "compile_reports": "qaic_dynamo.backend",
@@ -43,6 +44,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "LLM",
+    "Request",
     "RequestOutput",
     "CompilationConfig",
     "CompilationCounter",
