@@ -143,14 +143,14 @@ def test_dtype_casts_a_copy_of_the_weights_not_the_callers_model():
 def test_reference_model_state_is_unchanged():
     model = llama_reference(3)
     first = model.layers[0].self_attn
-    before = (model.config.layer_agnostic_kv_update, first.kv_update_name)
+    before = (model.config.layer_agnostic_kv_update, first.op_layer_name)
     assert before == (True, FROM_FORWARD_CONTEXT)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     per_layer = LLM(model, backend="eager", layer_agnostic_kv_update=False)
     half = LLM(model, backend="eager", dtype=torch.float16)
 
-    assert (model.config.layer_agnostic_kv_update, first.kv_update_name) == before
-    assert per_layer.model.layers[0].self_attn.kv_update_name == first.layer_name
+    assert (model.config.layer_agnostic_kv_update, first.op_layer_name) == before
+    assert per_layer.model.layers[0].self_attn.op_layer_name == first.layer_name
     assert per_layer.model.config is not model.config
     assert per_layer.model.layers[0].self_attn.qkv_proj.weight is first.qkv_proj.weight
     assert half.model.embed_tokens.weight.dtype == torch.float16
@@ -200,7 +200,7 @@ def test_attention_function_still_refuses_soft_capping_at_run_time():
     from qaic_dynamo.models.hf import qaic_attention_forward
 
     module = torch.nn.Module()
-    module.qaic_layer_name = module.qaic_kv_update_name = "layer"
+    module.qaic_layer_name = module.qaic_op_layer_name = "layer"
     q = torch.zeros(1, 4, 2, 16)
     with pytest.raises(NotImplementedError, match="uses attention logit soft-capping, which"):
         qaic_attention_forward(module, q, q, q, None, softcap=30.0)

@@ -44,8 +44,10 @@ def qaic_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: q [1, H, T, D], k/v [1, Hkv, T, D] -> [1, T, H, D]."""
-    layer_name = getattr(module, "qaic_layer_name", None)
-    if layer_name is None:
+    # Only the op layer name is read here: it is the same for every layer, so a traced
+    # block carries no per-layer value for Dynamo to guard on.
+    op_layer_name = getattr(module, "qaic_op_layer_name", None)
+    if op_layer_name is None:
         raise RuntimeError(
             f"{type(module).__name__} has no qaic layer name: wrap the model with "
             "qaic_dynamo.models.hf.HFCausalLM (or qaic_dynamo.LLM) before running it with "
@@ -67,8 +69,8 @@ def qaic_attention_forward(
     q = query[0].transpose(0, 1)  # [T, H, D]
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    dep = torch.ops.qaic.unified_kv_cache_update(k, v, module.qaic_kv_update_name)
-    out = torch.ops.qaic.unified_attention(q, k, v, layer_name, scaling, sliding_window, dep)
+    dep = torch.ops.qaic.unified_kv_cache_update(k, v, op_layer_name)
+    out = torch.ops.qaic.unified_attention(q, k, v, op_layer_name, scaling, sliding_window, dep)
     return out.unsqueeze(0), None
 
 
@@ -111,8 +113,8 @@ def unsupported_attention_features(config: Any, layers: list[tuple[str, nn.Modul
 class HFCausalLM(nn.Module):
     """A transformers causal LM as the engine sees it: flat tokens in, chosen logits out.
 
-    Adapts ``hf_model`` in place: names its attention modules (``qaic_layer_name``,
-    ``qaic_kv_update_name``) and switches its ``config._attn_implementation`` to
+    Adapts ``hf_model`` in place: names its attention modules (``qaic_layer_name``, the
+    real name, and ``qaic_op_layer_name``, what the qaic ops are called with) and switches its ``config._attn_implementation`` to
     ``"qaic"``. ``qaic_dynamo.LLM`` hands it a copy of the module tree sharing the weights
     (:func:`qaic_dynamo.models.copy_module_tree`), so the caller's model is left as it was.
 
@@ -143,7 +145,9 @@ class HFCausalLM(nn.Module):
             )
         for name, m in layers:
             m.qaic_layer_name = name
-            m.qaic_kv_update_name = FROM_FORWARD_CONTEXT if layer_agnostic_kv_update else name
+            # Both ops get the magic name unless the per-layer baseline is asked for: a
+            # layer's name read inside a traced block would make Dynamo re-trace it per layer.
+            m.qaic_op_layer_name = FROM_FORWARD_CONTEXT if layer_agnostic_kv_update else name
         self._layers = [name for name, _ in layers]
         hf_model.config._attn_implementation = ATTN_IMPLEMENTATION
         if text_config is not config:

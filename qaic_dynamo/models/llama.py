@@ -71,7 +71,9 @@ class QaicAttention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.layer_name = layer_name
-        self.kv_update_name = FROM_FORWARD_CONTEXT if cfg.layer_agnostic_kv_update else layer_name
+        # What both qaic ops are called with: the magic name keeps every per-layer constant
+        # out of a traced block (a block compiles once); the real name is the baseline.
+        self.op_layer_name = FROM_FORWARD_CONTEXT if cfg.layer_agnostic_kv_update else layer_name
         self.scale = 1.0 / math.sqrt(self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -81,8 +83,8 @@ class QaicAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        dep = torch.ops.qaic.unified_kv_cache_update(k, v, self.kv_update_name)
-        o = torch.ops.qaic.unified_attention(q, k, v, self.layer_name, self.scale, None, dep)
+        dep = torch.ops.qaic.unified_kv_cache_update(k, v, self.op_layer_name)
+        o = torch.ops.qaic.unified_attention(q, k, v, self.op_layer_name, self.scale, None, dep)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -133,7 +135,7 @@ class QaicCausalLM(nn.Module):
         self.config.layer_agnostic_kv_update = agnostic
         for layer in self.layers:
             attn = layer.self_attn
-            attn.kv_update_name = FROM_FORWARD_CONTEXT if agnostic else attn.layer_name
+            attn.op_layer_name = FROM_FORWARD_CONTEXT if agnostic else attn.layer_name
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> dict[str, tuple[tuple[int, ...], ...]]:
         raise NotImplementedError

@@ -54,7 +54,9 @@ class QaicMLAttention(nn.Module):
         self.o_proj = nn.Linear(self.h * self.v, cfg.hidden_size, bias=False)
         self.scale = (self.nope + self.rope) ** -0.5
         self.layer_name = layer_name
-        self.kv_update_name = FROM_FORWARD_CONTEXT if cfg.layer_agnostic_kv_update else layer_name
+        # What both qaic ops are called with: the magic name keeps every per-layer constant
+        # out of a traced block (a block compiles once); the real name is the baseline.
+        self.op_layer_name = FROM_FORWARD_CONTEXT if cfg.layer_agnostic_kv_update else layer_name
 
     def _project(self, x, cos, sin):
         q = self.q_proj(x).view(-1, self.h, self.nope + self.rope)
@@ -73,8 +75,8 @@ class QaicMLAttention(nn.Module):
         q_nope, q_pe, c_kv, k_pe = self._project(x, cos, sin)
         w_uk, w_uv = self._up_projections()
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-        dep = torch.ops.qaic.unified_mla_kv_cache_update(c_kv, k_pe, self.kv_update_name)
-        o_latent = torch.ops.qaic.unified_mla_attention(q_latent, q_pe, self.layer_name, self.scale, dep)
+        dep = torch.ops.qaic.unified_mla_kv_cache_update(c_kv, k_pe, self.op_layer_name)
+        o_latent = torch.ops.qaic.unified_mla_attention(q_latent, q_pe, self.op_layer_name, self.scale, dep)
         o = torch.einsum("thr,hvr->thv", o_latent, w_uv)
         return self.o_proj(o.reshape(-1, self.h * self.v))
 
