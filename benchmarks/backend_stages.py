@@ -1,7 +1,8 @@
 """Where backend="qaic" spends its time, for one model.
 
 Cold compile, split into Dynamo tracing and the backend's stages (split, fake
-propagation, fingerprint, ONNX export per unique piece, session creation); the per-call
+propagation, fingerprint, lowering per unique piece - prepare, aten trace, translation,
+checks, save - and session creation); the per-call
 overhead of a compiled piece (binding + dispatch) against its compute; and a decode step
 at 1x and 8x KV capacity with the same live tokens (it must not grow: the cache is
 updated in place).
@@ -14,6 +15,7 @@ Target: fingerprinting and reuse cost under 5% of the cold compile.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -105,8 +107,13 @@ def main() -> None:
           f"{rep.reused} reused", flush=True)
     for name, s in stages.items():
         print(f"  {name:<52} {s:8.3f} s")
+    steps = ("prepare", "aten_trace", "translate", "checks", "save")
+    split_rows = []
     for p in unique:
-        print(f"  piece {p.index:>2} ({p.key}): export {p.compile_seconds:.3f} s, session {p.load_seconds * 1e3:.1f} ms")
+        sec = json.loads((Path(p.artifact) / "layout.json").read_text())["stats"].get("seconds", {})
+        split_rows.append([p.index, p.key] + [sec.get(k, 0.0) * 1e3 for k in steps] + [p.load_seconds * 1e3])
+        print(f"  piece {p.index:>2} ({p.key}): " + ", ".join(f"{k} {sec.get(k, 0.0) * 1e3:.0f} ms" for k in steps)
+              + f", session {p.load_seconds * 1e3:.1f} ms")
     print(f"fingerprint + reuse = {fp_share * 100:.2f}% of cold compile (target < 5%): "
           + ("met" if fp_share < 0.05 else "MISSED"), flush=True)
 
@@ -150,6 +157,7 @@ def main() -> None:
     print(f"decode 8x / 1x capacity: {ratio:.2f}")
 
     md_out = markdown_table(["stage", "seconds"], [[k, v] for k, v in stages.items()])
+    md_out += "\n" + markdown_table(["piece", "key"] + [f"{k} (ms)" for k in steps] + ["session (ms)"], split_rows)
     md_out += "\n" + markdown_table(
         ["measure", "value"],
         [["fingerprint + reuse share of cold compile", f"{fp_share * 100:.2f}%"],
@@ -162,6 +170,7 @@ def main() -> None:
         {"layers": layers, "hidden": hidden, "stages": stages, "fingerprint_reuse_share": fp_share,
          "unique_pieces": [{"index": p.index, "key": p.key, "export_s": p.compile_seconds, "session_s": p.load_seconds}
                            for p in unique],
+         "lowering_split_ms": [dict(zip(["index", "key", *steps, "session"], row)) for row in split_rows],
          "piece_call_us": {"runner": t_runner * 1e6, "ort_run": t_bare * 1e6, "overhead": overhead * 1e6,
                            "eager": t_eager * 1e6},
          "decode_step_ms": {k: v * 1e3 for k, v in cap.items()}, "decode_8x_over_1x": ratio},

@@ -1,4 +1,5 @@
-"""Per-step latency of qaic, eager and inductor on the same model and inputs.
+"""Per-step latency of qaic (regional, the engine's default), qaic-whole (one
+torch.compile of the whole model), eager and inductor on the same model and inputs.
 
 One engine step (``LLM.execute_model``: build metadata, set the forward context, run the
 model, slice the logits) for:
@@ -9,7 +10,10 @@ the per-piece overhead (binding + dispatch against the ONNX Runtime run) of a mi
 piece, and a batch-8 decode step at 1x and 8x KV capacity with the same live tokens,
 which must not grow (the cache is updated in place).
 
-Target: decode latency at batch 8, qaic <= 1.0 x eager.
+Also the cost of entering a compiled region once per layer: (regional - whole) / layers
+per step.
+
+Target: decode latency at batch 8, qaic <= 1.0 x eager; regional no slower than whole.
 
     python benchmarks/decode_latency.py [--quick] [--layers 16] [--hidden-size 512]
 """
@@ -67,13 +71,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden-size", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--backends", nargs="+", default=["qaic", "eager", "inductor"])
+    ap.add_argument("--backends", nargs="+", default=["qaic", "qaic-whole", "eager", "inductor"],
+                    help="qaic = regional (LLM's default), qaic-whole = regional=False")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--results-dir", type=Path, default=None)
     args = ap.parse_args()
     from qaic_dynamo import LLM, set_forward_context
-    from qaic_dynamo.backend import last_compile_report
-    from qaic_dynamo.runtime import PieceRunner
+    from qaic_dynamo.backend import compile_reports
 
     layers, hidden, vocab, repeats = args.layers, args.hidden_size, args.vocab, args.repeats
     if args.quick:
@@ -83,15 +87,18 @@ def main() -> None:
     print(f"model: {layers} layers, hidden {hidden}, vocab {vocab}; median of {repeats} timing runs", flush=True)
 
     results: dict[str, dict[str, float]] = {}
-    engines = {}
+    engines, reports = {}, {}
     for backend in args.backends:
-        llm = LLM(model, backend=backend, max_num_seqs=8, max_model_len=CONTEXT + 8, block_size=16)
+        kw = dict(backend="qaic", regional=False) if backend == "qaic-whole" else dict(backend=backend)
+        llm = LLM(model, max_num_seqs=8, max_model_len=CONTEXT + 8, block_size=16, **kw)
         engines[backend] = llm
         results[backend] = {}
+        n_reports = len(compile_reports())
         for name, kind, b in cases:
             with case_batch(llm, kind, b) as batch:
                 for _ in range(2):  # warm-up (the first call compiles)
                     llm.execute_model(batch)
+                reports[backend] = compile_reports()[n_reports:]
                 results[backend][name] = median_seconds(lambda: llm.execute_model(batch), repeats)
                 print(f"  {backend:>8} {name:<15} {results[backend][name] * 1e3:8.2f} ms", flush=True)
 
@@ -107,14 +114,21 @@ def main() -> None:
         print(verdict)
         md += "\n" + verdict + "\n"
 
+    if "qaic" in results and "qaic-whole" in results:
+        entry = {name: (results["qaic"][name] - results["qaic-whole"][name]) / layers for name, _, _ in cases}
+        payload["region_entry_us_per_layer"] = {k: v * 1e6 for k, v in entry.items()}
+        line = "entering a compiled region, per layer and step: " + ", ".join(
+            f"{k} {v * 1e6:+.0f} us" for k, v in entry.items()) + " (regional - whole, / layers)"
+        print(line)
+        md += "\n" + line + "\n"
+
     if "qaic" in engines:
         llm = engines["qaic"]
-        # Per-piece overhead of a middle piece at decode b8 (the graph that serves it is the
-        # newest once a b8 step has run: Dynamo may have specialised again).
+        # Per-piece overhead of the piece that holds a layer's cache update, at decode b8.
         with case_batch(llm, "decode", 8) as batch:
             llm.execute_model(batch)
-            runners = [m for m in last_compile_report().split_module().children() if isinstance(m, PieceRunner)]
-            middle = runners[1] if len(runners) > 2 else runners[0]
+            runners = [r for rep in reports["qaic"] for r in rep.runners() if r.artifact.layout.kv_updates]
+            middle = runners[-1]
             captured = {}
             handle = middle.register_forward_pre_hook(lambda mod, a: captured.__setitem__("args", a))
             llm.execute_model(batch)
@@ -127,7 +141,7 @@ def main() -> None:
         over = t_runner - t_bare
         payload["middle_piece_us"] = {"runner": t_runner * 1e6, "ort_run": t_bare * 1e6,
                                       "binding_dispatch": over * 1e6, "eager": t_eager * 1e6}
-        line = (f"middle piece at decode b8: runner {t_runner * 1e6:.0f} us = ORT {t_bare * 1e6:.0f} us + "
+        line = (f"cache-update piece at decode b8: runner {t_runner * 1e6:.0f} us = ORT {t_bare * 1e6:.0f} us + "
                 f"binding/dispatch {over * 1e6:.0f} us ({over / t_runner * 100:.0f}%); eager piece {t_eager * 1e6:.0f} us")
         print(line)
         md += "\n" + line + "\n"

@@ -63,6 +63,7 @@ class PieceReport:
     compile_seconds: float = 0.0  # lowering + checks (+ qaic-compile), when lowered here
     load_seconds: float = 0.0  # ONNX Runtime session creation, when a session was made
     fallback: str | None = None  # why it runs eagerly
+    exporter_fallback: str | None = None  # why torch.onnx's exporter lowered it (the op), if it did
     artifact: str | None = None  # artifact directory (readable path)
 
     @property
@@ -126,6 +127,7 @@ class GraphReport:
         ]
         for p in self.pieces:
             why = p.why + (f"; FALLBACK: {p.fallback}" if p.fallback else "")
+            why += f"; lowered by the exporter: {p.exporter_fallback}" if p.exporter_fallback else ""
             source = "-" if p.source is None else p.source.value
             lines.append(f"{p.index:>3} {p.name:<10} {p.kind.value:<10} {p.key or '-':<12} {source:<7} {p.seconds:>8.3f}  {why}")
         return "\n".join(lines)
@@ -298,6 +300,7 @@ class QaicBackend:
             warn_fallback(label, result.failure)
         else:
             entry.artifact = str(result.artifact.path)
+            entry.exporter_fallback = result.artifact.layout.stats.get("exporter_fallback")
             setattr(split_gm, piece.name, PieceRunner(result.artifact, piece.graph_module, self.config, label))
         entry.seconds = time.perf_counter() - t0
         return entry

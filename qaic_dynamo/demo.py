@@ -1,16 +1,18 @@
-"""Compile a transformer with backend="qaic" and show what layer-agnostic KV updates buy.
+"""Compile a transformer with backend="qaic" and show what a flat cold start looks like.
 
 The default model is a Llama-architecture ``transformers`` model built from the config
 below with random weights (seed 0): 16 layers, hidden size 512, grouped-query attention.
 Nothing is downloaded. It runs greedy generation for a few prompts with the ``LLM``
-engine twice, eagerly and compiled, and prints: the layers, the pieces the backend saw,
-how many it compiled and reused, the cold compile time and its ONNX exports, tokens/s of
-both, and the largest logit difference; then it restarts (no Dynamo or in-memory state)
-against the persistent cache it just filled and prints that time too, with the pieces
-loaded from disk and the exports the restart needed (none when the cache serves every
-piece). Counts come from ``compilation_counter``. Compiles use a fresh temporary cache,
-so "cold" is cold on every run. ``--compare`` also compiles the model with per-layer
-names in the KV update (the old behaviour) and prints both compile times side by side.
+engine twice, eagerly and compiled (region by region: the decoder block is traced and
+lowered once for every layer), and prints: the layers, the Dynamo graphs, the unique
+pieces compiled, eager and exporter fallbacks, the cold compile time and its ONNX
+exports, tokens/s of both, and the largest logit difference; then it restarts (no Dynamo
+or in-memory state) against the persistent cache it just filled and prints that time
+too, with the pieces loaded from disk and the exports the restart needed (none when the
+cache serves every piece). Counts come from ``compilation_counter``. Compiles use a fresh
+temporary cache, so "cold" is cold on every run. ``--compare`` also compiles the whole
+model in one ``torch.compile`` (Dynamo traces every layer), with layer-agnostic and with
+per-layer names in the KV update (the old behaviour), and prints the times side by side.
 All engines run the one model: each adapts its own copy of the module tree, sharing the
 weights, and the model itself is left unchanged.
 
@@ -98,7 +100,7 @@ def _fresh_compile_state() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qaic_dynamo import LLM, compilation_counter, last_compile_report
+    from qaic_dynamo import LLM, compilation_counter, compile_reports
 
     model = build_model(args)
     g = torch.Generator().manual_seed(args.seed)
@@ -119,15 +121,11 @@ def run(args: argparse.Namespace) -> int:
     cache_dir = tempfile.mkdtemp(prefix="qaic-demo-cache-")
     atexit.register(shutil.rmtree, cache_dir, ignore_errors=True)
     _fresh_compile_state()
-    before = compilation_counter.snapshot()
+    before, n_reports = compilation_counter.snapshot(), len(compile_reports())
     qaic = LLM(model, backend="qaic", compile_options={"progress": True, "cache_dir": cache_dir}, **engine_kw)
     cold_s = _cold(qaic, prompts)
-    report = last_compile_report()
-    seen = compilation_counter.num_piecewise_graphs_seen - before.num_piecewise_graphs_seen
-    compiled_n = compilation_counter.num_backend_compilations - before.num_backend_compilations
-    reused = compilation_counter.num_piece_reuses - before.num_piece_reuses
-    fallbacks = compilation_counter.num_eager_fallbacks - before.num_eager_fallbacks
-    cold_exports = compilation_counter.num_onnx_exports - before.num_onnx_exports
+    backend_s = sum(r.seconds["total"] for r in compile_reports()[n_reports:])
+    delta = {k: v - getattr(before, k) for k, v in compilation_counter.counts().items()}
     t0 = time.perf_counter()
     out = qaic.generate_outputs(prompts, args.max_new_tokens, return_logits=True)
     qaic_s = time.perf_counter() - t0
@@ -144,29 +142,31 @@ def run(args: argparse.Namespace) -> int:
     same = [o.token_ids for o in out] == [r.token_ids for r in ref]
     diff = max((a - b).abs().max().item() for o, r in zip(out, ref) for a, b in zip(o.logits, r.logits))
 
+    graphs = delta["num_graphs_seen"]
     rows = [
         ("layers", f"{n_layers}"),
-        ("pieces seen", f"{seen} ({n_layers} attention splits)"),
-        ("unique pieces compiled", f"{compiled_n}"),
-        ("pieces reused", f"{reused}"),
-        ("eager fallbacks", f"{fallbacks}"),
-        ("cold compile (first call, s)", f"{cold_s:.2f}  (backend {report.seconds['total']:.2f}, {cold_exports} exports)"),
+        ("Dynamo graphs", f"{graphs} (the decoder block traced once for all {n_layers} layers, + {graphs - 1} regions)"),
+        ("unique pieces compiled", f"{delta['num_backend_compilations']}"),
+        ("eager fallbacks", f"{delta['num_eager_fallbacks']}"),
+        ("exporter fallbacks", f"{delta['num_exporter_fallbacks']}"),
+        ("cold compile (first call, s)", f"{cold_s:.2f}  (backend {backend_s:.2f}, {delta['num_onnx_exports']} exports)"),
         ("restart, persistent cache (s)", f"{warm_s:.2f}  ({warm_hits} pieces loaded from disk, {warm_exports} exports)"),
         ("tokens/s compiled vs eager", f"{gen_tokens / qaic_s:.1f} vs {gen_tokens / eager_s:.1f}"),
         ("max |logit - eager logit|", f"{diff:.2e}"),
         ("greedy tokens identical", "yes" if same else "NO"),
     ]
-    if args.compare:
-        _fresh_compile_state()
-        before = compilation_counter.snapshot()
-        per_layer_dir = tempfile.mkdtemp(prefix="qaic-demo-cache-")
-        atexit.register(shutil.rmtree, per_layer_dir, ignore_errors=True)
-        per_layer = LLM(model, backend="qaic", layer_agnostic_kv_update=False,
-                        compile_options={"progress": True, "cache_dir": per_layer_dir}, **engine_kw)
-        per_layer_s = _cold(per_layer, prompts)
-        per_layer_n = compilation_counter.num_backend_compilations - before.num_backend_compilations
-        rows.append(("cold compile, per-layer names (s)",
-                     f"{per_layer_s:.2f}  ({per_layer_n} unique pieces) = {per_layer_s / cold_s:.1f}x the layer-agnostic compile"))
+    if args.compare:  # the same model, compiled whole: with layer-agnostic names, then per-layer names
+        for label, agnostic in (("whole model", True), ("whole model, per-layer names", False)):
+            _fresh_compile_state()
+            before = compilation_counter.snapshot()
+            other_dir = tempfile.mkdtemp(prefix="qaic-demo-cache-")
+            atexit.register(shutil.rmtree, other_dir, ignore_errors=True)
+            other = LLM(model, backend="qaic", regional=False, layer_agnostic_kv_update=agnostic,
+                        compile_options={"progress": True, "cache_dir": other_dir}, **engine_kw)
+            other_s = _cold(other, prompts)
+            other_n = compilation_counter.num_backend_compilations - before.num_backend_compilations
+            rows.append((f"cold compile, {label} (s)",
+                         f"{other_s:.2f}  ({other_n} unique pieces) = {other_s / cold_s:.1f}x the regional compile"))
     width = max(len(k) for k, _ in rows)
     print(f"\nprompts: {len(prompts)} of {[len(p) for p in prompts]} tokens, {args.max_new_tokens} new tokens each")
     for k, v in rows:

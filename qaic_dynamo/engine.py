@@ -23,6 +23,11 @@ The cache of every layer is ``[num_blocks, num_kv_heads, block_size, head_size]`
 layer's layout; the model's layers are registered in model order, so
 ``unified_kv_cache_update(..., "from_forward_context")`` resolves each one.
 
+With ``backend="qaic"`` the model is compiled region by region (:mod:`qaic_dynamo.regions`):
+the decoder block is traced and lowered once whatever the depth, and the embedding,
+final norm and head are regions of their own. ``regional=False`` compiles the whole model
+in one ``torch.compile`` instead.
+
 The token dimension is marked dynamic, so the model compiles once for every batch size
 and mix of prefill and decode. Batches are padded to at least two tokens and two logits
 rows with padding slots (-1), because Dynamo specialises sizes 0 and 1.
@@ -110,6 +115,10 @@ class LLM:
             ``"from_forward_context"`` (default) so middle layers compile once; ``False``
             passes each layer's real name (the per-layer baseline).
         compile_options: ``options`` for ``torch.compile`` (qaic backend).
+        regional: with ``backend="qaic"``, compile region by region
+            (:func:`qaic_dynamo.compile`: each repeated decoder block is traced once,
+            whatever the depth) - the default; ``False`` compiles the whole model with
+            ``torch.compile(model, backend="qaic")`` (Dynamo traces every layer).
         dtype: run the model and the caches in this dtype; a model of another dtype is
             cast into the engine's own copy of its weights (the given model is unchanged).
 
@@ -129,6 +138,7 @@ class LLM:
         layer_agnostic_kv_update: bool = True,
         compile_options: dict[str, Any] | None = None,
         dtype: torch.dtype | None = None,
+        regional: bool = True,
     ) -> None:
         from qaic_dynamo.models import load_model
 
@@ -155,7 +165,12 @@ class LLM:
         if backend == "eager":
             self._fn = self.model
         elif backend == "qaic":
-            self._fn = torch.compile(self.model, backend="qaic", options=compile_options)
+            if regional:
+                from qaic_dynamo.regions import compile as compile_regions
+
+                self._fn = compile_regions(self.model, **(compile_options or {}))
+            else:
+                self._fn = torch.compile(self.model, backend="qaic", options=compile_options)
         else:
             self._fn = torch.compile(self.model, backend="inductor")
         self.stats: dict[str, float] = {}

@@ -361,7 +361,7 @@ def lower_piece(
 
     ``layout.stats`` records how: ``lowered_with`` ("direct" or "exporter"),
     ``exporter_fallback`` (why the exporter was needed, naming the op) and the seconds of
-    each step (``prepare``, ``translate`` - aten trace and translation, or the exporter -,
+    each step (``prepare``, ``aten_trace``, ``translate`` - or the whole exporter -,
     ``checks``, ``save``).
     """
     t0 = time.perf_counter()
@@ -378,12 +378,12 @@ def lower_piece(
     if layout.has_model:
         t0 = time.perf_counter()
         compilation_counter.bump(num_onnx_exports=1)
-        model, fallback = _export(prepared, config.opset)
-        seconds["translate"] = time.perf_counter() - t0
+        model, fallback = _export(prepared, config.opset, seconds)
+        seconds["translate"] = time.perf_counter() - t0 - seconds.get("aten_trace", 0.0)
         t0 = time.perf_counter()
         model = _finish(model, layout, config.opset)
         seconds["checks"] = time.perf_counter() - t0
-        layout.export_seconds = seconds["translate"] + seconds["checks"]
+        layout.export_seconds = seconds.get("aten_trace", 0.0) + seconds["translate"] + seconds["checks"]
         layout.stats = {
             "nodes": len(model.graph.node),
             "functions": sorted(f"{f.domain}::{f.name}" for f in model.functions),
@@ -580,6 +580,7 @@ def aten_graph(prepared: PreparedPiece, opset: int) -> fx.GraphModule:
             gm = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="fake")(*fakes)
         internals.fx_passes.insert_type_promotion_nodes(gm)
         internals.fx_passes.remove_assertion_nodes(gm)
+    _expand_sym_numel(gm)
     for node in gm.graph.nodes:
         node.meta.setdefault("nn_module_stack", {})  # the translator records it per node
         if node.op == "get_attr":  # a tensor constant: translate its real value
@@ -587,12 +588,36 @@ def aten_graph(prepared: PreparedPiece, opset: int) -> fx.GraphModule:
     return gm
 
 
-def _lower_direct(prepared: PreparedPiece, opset: int) -> onnx.ModelProto:
+def _expand_sym_numel(gm: fx.GraphModule) -> None:
+    """``aten.sym_numel(x)`` (a reshape's -1 over symbolic sizes) has no ONNX translation;
+    the product of ``x``'s ``sym_size``s has. (torch.export never emits it: there the
+    product is already folded into the sizes it traces.)"""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.sym_numel.default:
+            continue
+        x = node.args[0]
+        with gm.graph.inserting_before(node):
+            product = None
+            for d in range(x.meta["val"].dim()):
+                size = gm.graph.call_function(torch.ops.aten.sym_size.int, (x, d))
+                size.meta["val"] = x.meta["val"].shape[d]
+                product = size if product is None else gm.graph.call_function(operator.mul, (product, size))
+                product.meta["val"] = size.meta["val"] if product is size else product.args[0].meta["val"] * size.meta["val"]
+            if product is None:  # a 0-d tensor holds one element
+                product = 1
+        node.replace_all_uses_with(product)
+        gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _lower_direct(prepared: PreparedPiece, opset: int, seconds: dict[str, float]) -> onnx.ModelProto:
     """Translate the piece's aten graph node by node through the exporter's registry."""
     import onnx_ir as ir
 
     internals = torch_onnx_internals()
+    t0 = time.perf_counter()
     gm = aten_graph(prepared, opset)
+    seconds["aten_trace"] = time.perf_counter() - t0
     model = ir.Model(ir.Graph([], [], nodes=[], name="main_graph"), ir_version=MAX_IR_VERSION, producer_name="qaic_dynamo")
     try:
         internals.core._translate_fx_graph(
@@ -663,18 +688,20 @@ def _lower_with_exporter(prepared: PreparedPiece, opset: int) -> onnx.ModelProto
         raise LoweringError(f"the ONNX exporter failed: {_first_line(e)}") from e
 
 
-def _export(prepared: PreparedPiece, opset: int) -> tuple[onnx.ModelProto, str | None]:
-    """The piece's ONNX model, and why the exporter had to be used (None: direct path)."""
+def _export(prepared: PreparedPiece, opset: int, seconds: dict[str, float]) -> tuple[onnx.ModelProto, str | None]:
+    """The piece's ONNX model, and why the exporter had to be used (None: direct path).
+    Records ``aten_trace`` (direct path) in ``seconds``."""
     if torch_onnx_internals() is None:
-        return _lower_with_exporter(prepared, opset), "this torch has no direct path"
-    try:
-        return _lower_direct(prepared, opset), None
-    except LoweringError:
-        raise
-    except _DirectPathError as e:
-        reason = str(e)
-    except Exception as e:  # the trace or a pass failed: the exporter may still manage
-        reason = f"{_failing_op(e)}: {_first_line(e)}"
+        reason = f"no direct path on torch {torch.__version__} (tested: {TESTED_TORCH})"
+    else:
+        try:
+            return _lower_direct(prepared, opset, seconds), None
+        except LoweringError:
+            raise
+        except _DirectPathError as e:
+            reason = str(e)
+        except Exception as e:  # the trace or a pass failed: the exporter may still manage
+            reason = f"{_failing_op(e)}: {_first_line(e)}"
     compilation_counter.bump(num_exporter_fallbacks=1)
     logger.info("qaic: direct lowering failed (%s); using the exporter", reason)
     return _lower_with_exporter(prepared, opset), reason

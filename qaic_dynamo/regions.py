@@ -6,7 +6,7 @@ linearly with depth (measured here, 512-wide Llama: 2.4 s at 2 layers, 14.4 s at
 even though the backend then compiles only three unique pieces. :func:`compile` removes
 that cost instead of amortising it:
 
-* it finds the repeated blocks - every ``nn.ModuleList`` of two or more modules of one
+* it finds the repeated blocks - every ``nn.ModuleList`` whose modules are all of one
   class (transformers' ``model.layers``, the reference models' ``layers``);
 * it compiles each block with ``backend="qaic"``. All blocks of a list share their
   class's ``forward`` code object, and Dynamo caches compiled code per code object with
@@ -44,14 +44,14 @@ __all__ = ["CompiledRegion", "RegionPlan", "compile", "find_repeated_blocks", "p
 
 
 def find_repeated_blocks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
-    """Every ``nn.ModuleList`` of two or more modules of one class, outermost first (a list
-    inside a found block belongs to that block's region)."""
+    """Every non-empty ``nn.ModuleList`` whose modules are all of one class, outermost first
+    (a list inside a found block belongs to that block's region)."""
     found: list[tuple[str, nn.ModuleList]] = []
 
     def visit(prefix: str, module: nn.Module) -> None:
         for name, child in module.named_children():
             path = f"{prefix}.{name}" if prefix else name
-            if isinstance(child, nn.ModuleList) and len(child) >= 2 and len({type(m) for m in child}) == 1:
+            if isinstance(child, nn.ModuleList) and len(child) >= 1 and len({type(m) for m in child}) == 1:
                 found.append((path, child))
             else:
                 visit(path, child)
@@ -80,8 +80,8 @@ def plan_regions(model: nn.Module) -> RegionPlan:
     blocks = find_repeated_blocks(model)
     if not blocks:
         raise ValueError(
-            f"qaic_dynamo.compile: {type(model).__name__} has no repeated blocks (an nn.ModuleList of two or "
-            "more modules of one class); compile it whole with torch.compile(model, backend='qaic')"
+            f"qaic_dynamo.compile: {type(model).__name__} has no repeated blocks (an nn.ModuleList of modules "
+            "of one class); compile it whole with torch.compile(model, backend='qaic')"
         )
     on_path = {""}
     for path, _ in blocks:

@@ -40,20 +40,25 @@ def test_backend_stages_benchmark_smoke(tmp_path):
 
 
 def test_cold_start_benchmark_smoke(tmp_path):
-    out = run_benchmark("cold_start.py", tmp_path, "--smoke", "--methods", "qaic", "floor", "onnx")
+    out = run_benchmark("cold_start.py", tmp_path, "--smoke", "--methods", "regional", "qaic", "floor")
     result = json.loads((tmp_path / "cold_start_smoke.json").read_text())
-    assert result["layers"] == [1, 2] and set(result["median_first_call_s"]) == {"qaic", "floor", "onnx"}
+    assert result["layers"] == [1, 2] and set(result["median_first_call_s"]) == {"regional", "qaic", "floor"}
     for method, by_layers in result["median_first_call_s"].items():
         assert all(v > 0 for v in by_layers.values()), method
-    assert result["samples"]["qaic"]["2"][0]["unique_pieces"] == 3
+    qaic, regional = result["samples"]["qaic"]["2"][0], result["samples"]["regional"]["2"][0]
+    assert qaic["unique_pieces"] == 3 and qaic["graphs"] == 1
+    # transformers Llama: the block once, embed_tokens, rotary_emb, norm, lm_head
+    assert regional["graphs"] == result["samples"]["regional"]["1"][0]["graphs"] == 5
+    assert qaic["exporter_fallbacks"] == regional["exporter_fallbacks"] == 0
     assert (tmp_path / "cold_start_smoke.png").stat().st_size > 1000
-    assert "qaic(2)/qaic(1)" in out and "Cold start" in out
+    assert "Cold start" in out and "Targets (issue 10)" in out
 
 
 def test_decode_latency_benchmark_smoke(tmp_path):
-    out = run_benchmark("decode_latency.py", tmp_path, "--backends", "qaic", "eager")
+    out = run_benchmark("decode_latency.py", tmp_path, "--backends", "qaic", "qaic-whole", "eager")
     result = json.loads((tmp_path / "decode_latency_quick.json").read_text())
-    assert set(result["step_ms"]) == {"qaic", "eager"}
+    assert set(result["step_ms"]) == {"qaic", "qaic-whole", "eager"}
+    assert set(result["region_entry_us_per_layer"]) == {"prefill b1x128", "decode b1", "decode b8"}
     assert set(result["step_ms"]["qaic"]) == {"prefill b1x128", "decode b1", "decode b8"}
     assert set(result["capacity_decode_b8_ms"]) == {"1x", "8x"}
     assert "decode b8 qaic / eager" in out

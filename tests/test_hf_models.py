@@ -1,5 +1,6 @@
 """Hugging Face decoders through the qaic ops: same greedy tokens as eager and as plain
-transformers, logits within 1e-4, three compilations whatever the depth."""
+transformers, logits within 1e-4, and compilations that do not grow with depth - for the
+regional compile (LLM's default) and the whole-model compile alike."""
 
 from __future__ import annotations
 
@@ -24,23 +25,34 @@ def hf_generate(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
+def expected_counts(regional: bool, layers: int) -> dict[str, int]:
+    if regional:
+        return dict(
+            num_graphs_seen=5,  # the decoder block once; embed_tokens, rotary_emb, norm, lm_head
+            num_piecewise_graphs_seen=3 + 4,  # block: before / at / after attention; 4 one-piece regions
+            num_backend_compilations=2 + 4,  # whatever the depth
+        )
+    return dict(
+        num_graphs_seen=1,
+        num_piecewise_graphs_seen=2 * layers + 1,
+        num_backend_compilations=3,  # first, middle, last: whatever the depth
+    )
+
+
+@pytest.mark.parametrize("regional", [True, False], ids=["regional", "whole"])
 @pytest.mark.parametrize("layers", [2, 6])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_family_matches_eager_and_transformers(family, layers):
+def test_family_matches_eager_and_transformers(family, layers, regional):
     hf = hf_model_from_config(FAMILIES[family](layers))
     # One model serves plain transformers (sdpa) and both engines: LLM leaves it unchanged.
     eager = LLM(hf, backend="eager").generate_outputs(PROMPTS, 8, return_logits=True)
-    compiled_llm = LLM(hf, backend="qaic")
+    compiled_llm = LLM(hf, backend="qaic", regional=regional)
     want = [hf_generate(hf, p, 8) for p in PROMPTS]
     with torch.no_grad():
         want_logits = [hf(torch.tensor([p])).logits[0, -1] for p in PROMPTS]
 
-    with compilation_counter.expect(
-        num_graphs_seen=1,
-        num_piecewise_graphs_seen=2 * layers + 1,
-        num_backend_compilations=3,  # first, middle, last: whatever the depth
-        num_eager_fallbacks=0,
-    ):
+    with compilation_counter.expect(num_eager_fallbacks=0, num_exporter_fallbacks=0,
+                                    **expected_counts(regional, layers)):
         compiled = compiled_llm.generate_outputs(PROMPTS, 8, return_logits=True)
 
     assert [o.token_ids for o in compiled] == [o.token_ids for o in eager] == want
@@ -59,7 +71,7 @@ def test_family_matches_eager_and_transformers(family, layers):
 def test_per_layer_names_compile_every_layer():
     hf = hf_model_from_config(FAMILIES["llama"](3))
     with compilation_counter.expect(num_backend_compilations=4):  # L + 1 pieces, all distinct
-        LLM(hf, backend="qaic", layer_agnostic_kv_update=False).generate(PROMPTS, 2)
+        LLM(hf, backend="qaic", regional=False, layer_agnostic_kv_update=False).generate(PROMPTS, 2)
 
 
 def test_unsupported_architecture_is_a_clear_error():

@@ -417,3 +417,36 @@ def test_a_compile_prints_no_warnings(capfd):
     assert len(out) == 2
     captured = capfd.readouterr()
     assert "Removing initializer" not in captured.err and "Warning" not in captured.err, captured.err[-2000:]
+
+
+# --- lowering: the direct path, and the exporter as a counted fallback --------------------------
+
+
+def test_every_piece_is_lowered_directly():
+    model = llama(3)
+    with compilation_counter.expect(num_backend_compilations=3, num_onnx_exports=3, num_exporter_fallbacks=0):
+        run_steps(model, torch.compile(model, backend="qaic", options={"fallback": "error"}), steps=1)
+    lowered = [p for p in last_compile_report().pieces if p.source is Source.LOWERED]
+    for p in lowered:
+        stats = json.loads((Path(p.artifact) / LAYOUT_FILE).read_text())["stats"]
+        assert stats["lowered_with"] == "direct" and p.exporter_fallback is None
+        assert set(stats["seconds"]) == {"prepare", "aten_trace", "translate", "checks", "save"}
+
+
+def test_without_the_direct_path_the_exporter_lowers_every_piece_with_one_warning(monkeypatch):
+    from qaic_dynamo import lowering
+
+    monkeypatch.setattr(lowering, "TESTED_TORCH", "0.0.0")
+    lowering.torch_onnx_internals.cache_clear()
+    try:
+        model = llama()
+        with pytest.warns(RuntimeWarning, match=r"public torch.onnx exporter \(slower\): torch .* is not the tested 0.0.0"), \
+                compilation_counter.expect(num_backend_compilations=3, num_exporter_fallbacks=3):
+            out = run_steps(model, torch.compile(model, backend="qaic", options={"fallback": "error"}), steps=1)
+        lowered = [p for p in last_compile_report().pieces if p.source is Source.LOWERED]
+        assert len(lowered) == 3 and all("no direct path on torch" in p.exporter_fallback for p in lowered)
+        assert "lowered by the exporter: no direct path" in last_compile_report().table()
+    finally:
+        lowering.torch_onnx_internals.cache_clear()
+    ref = run_steps(model, model, steps=1)
+    assert max((a - b).abs().max().item() for a, b in zip(out, ref)) < 1e-4
