@@ -155,7 +155,10 @@ def shape_function(shape: list[int | str] | None, symbols: dict[str, list[Any]])
 
 def evaluate_symbol_expression(expr: str, values: dict[str, int]) -> int:
     """The value of a size expression (a ``["sym", expr]`` leaf) for these symbol values."""
-    return int(sympy.sympify(expr, locals=_SYMPY_LOCALS).xreplace({sympy.Symbol(k, integer=True): v for k, v in values.items()}))
+    # Parse with the same integer symbols that are substituted (a plain Symbol('S0') is
+    # a different symbol from Symbol('S0', integer=True) and would never be replaced).
+    symbols = {k: sympy.Symbol(k, integer=True) for k in values}
+    return int(sympy.sympify(expr, locals={**_SYMPY_LOCALS, **symbols}).xreplace({symbols[k]: v for k, v in values.items()}))
 
 
 @dataclass

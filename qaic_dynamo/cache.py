@@ -146,9 +146,14 @@ class CompileCache:
             return CacheResult(Source.FAILED, failure=failure, failure_cached=True)
         if known is not None:  # compiled here with other session options: a new session
             t0 = time.perf_counter()
-            artifact = load(known, num_threads)
-            self._remember(key, artifact)
-            return CacheResult(Source.MEMORY, artifact, load_seconds=time.perf_counter() - t0)
+            try:
+                artifact = load(known, num_threads)
+            except ArtifactError:  # evicted or swept since: find it on disk or compile again
+                with self._lock:
+                    self._paths.pop(key, None)
+            else:
+                self._remember(key, artifact)
+                return CacheResult(Source.MEMORY, artifact, load_seconds=time.perf_counter() - t0)
         if disk is not None:
             result = self._from_disk(disk, key, num_threads)
             if result is not None:

@@ -377,7 +377,6 @@ def lower_piece(
     out_dir.mkdir(parents=True, exist_ok=True)
     if layout.has_model:
         t0 = time.perf_counter()
-        compilation_counter.bump(num_onnx_exports=1)
         model, fallback = _export(prepared, config.opset, seconds)
         seconds["translate"] = time.perf_counter() - t0 - seconds.get("aten_trace", 0.0)
         t0 = time.perf_counter()
@@ -391,6 +390,7 @@ def lower_piece(
             "lowered_with": "direct" if fallback is None else "exporter",
             "exporter_fallback": fallback,
         }
+        compilation_counter.bump(num_onnx_exports=1, num_exporter_fallbacks=int(fallback is not None))
         t0 = time.perf_counter()
         onnx.save(model, str(out_dir / ONNX_FILE))
         seconds["save"] = time.perf_counter() - t0
@@ -702,7 +702,6 @@ def _export(prepared: PreparedPiece, opset: int, seconds: dict[str, float]) -> t
             reason = str(e)
         except Exception as e:  # the trace or a pass failed: the exporter may still manage
             reason = f"{_failing_op(e)}: {_first_line(e)}"
-    compilation_counter.bump(num_exporter_fallbacks=1)
     logger.info("qaic: direct lowering failed (%s); using the exporter", reason)
     return _lower_with_exporter(prepared, opset), reason
 

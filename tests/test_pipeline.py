@@ -450,3 +450,19 @@ def test_without_the_direct_path_the_exporter_lowers_every_piece_with_one_warnin
         lowering.torch_onnx_internals.cache_clear()
     ref = run_steps(model, model, steps=1)
     assert max((a - b).abs().max().item() for a, b in zip(out, ref)) < 1e-4
+
+
+def test_a_symbolic_size_output_is_evaluated_per_call():
+    """A piece whose output is an expression in a dynamic size must evaluate it for every
+    call's sizes (it was parsed with symbols that never matched the substituted ones)."""
+
+    def f(x):
+        return x * 2, x.size(0) * 3 + 1
+
+    compiled = torch.compile(f, backend="qaic", dynamic=True, options={"fallback": "error"})
+    with compilation_counter.expect(num_graphs_seen=1, num_eager_fallbacks=0):
+        for n in (5, 9, 4):
+            out, size = compiled(torch.ones(n, 2))
+            assert size == 3 * n + 1 and torch.equal(out, torch.full((n, 2), 2.0))
+    layout = json.loads((Path(last_compile_report().pieces[0].artifact) / LAYOUT_FILE).read_text())
+    assert any(leaf[0] == "sym" for leaf in layout["leaves"]), layout["leaves"]
