@@ -267,7 +267,10 @@ def outputs_and_leaves(rw: _Rewrite, out_val: Any) -> tuple[list[list[Any]], lis
 
 def export_inputs(rw: _Rewrite) -> tuple[list[torch.Tensor], list[dict[int, Any] | None], list[dict[str, Any]]]:
     """Pass 4: example tensors, dynamic dims and layout entries of the ONNX inputs."""
-    values = {s: max(_hint(s_int), 2) for s, s_int in _symbol_hints(rw.example_args).items()}
+    # Example sizes for the exporter and the direct trace: distinct primes, so a dynamic
+    # size never equals a model dimension (2 kv heads, say) and gets specialised to it.
+    primes = iter((17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83, 89, 97))
+    values = {s: next(primes, max(_hint(s_int), 2)) for s, s_int in _symbol_hints(rw.example_args).items()}
     example: list[torch.Tensor] = []
     dynamic: list[dict[int, Any] | None] = []
     inputs: list[dict[str, Any]] = []
@@ -580,6 +583,14 @@ def aten_graph(prepared: PreparedPiece, opset: int) -> fx.GraphModule:
             gm = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="fake")(*fakes)
         internals.fx_passes.insert_type_promotion_nodes(gm)
         internals.fx_passes.remove_assertion_nodes(gm)
+    # The trace ran in a private shape env whose guards are dropped: if it specialised a
+    # dynamic size to a number, the ONNX would silently serve one size. Let the exporter
+    # (which refuses such a specialisation for a Dim.DYNAMIC) take the piece instead.
+    shape_env = fakes[0].fake_mode.shape_env if fakes else None
+    if shape_env is not None:
+        fixed = sorted(str(k) for k, v in shape_env.replacements.items() if v.is_number)
+        if fixed:
+            raise _DirectPathError("(trace)", f"the trace specialised dynamic size(s) {fixed} to constants")
     _expand_sym_numel(gm)
     for node in gm.graph.nodes:
         node.meta.setdefault("nn_module_stack", {})  # the translator records it per node

@@ -466,3 +466,31 @@ def test_a_symbolic_size_output_is_evaluated_per_call():
             assert size == 3 * n + 1 and torch.equal(out, torch.full((n, 2), 2.0))
     layout = json.loads((Path(last_compile_report().pieces[0].artifact) / LAYOUT_FILE).read_text())
     assert any(leaf[0] == "sym" for leaf in layout["leaves"]), layout["leaves"]
+
+
+@torch.library.custom_op("qaic_test::size_branch", mutates_args=())
+def size_branch(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@size_branch.register_fake
+def _(x):
+    # Branching on a dynamic size makes a tracer specialise it.
+    return torch.empty_like(x) if x.shape[0] == 17 else torch.empty_like(x)
+
+
+def test_the_direct_path_refuses_a_trace_that_specialises_a_dynamic_size():
+    """Such a trace would give an ONNX model that serves one token count only; it must
+    never be used (the exporter, or an eager fallback, takes the piece instead)."""
+    from qaic_dynamo import lowering
+
+    def f(x):
+        return size_branch(x * 2) + 1
+
+    graphs = []
+    torch.compile(f, backend=lambda gm, ex: graphs.append((gm, ex)) or gm.forward, dynamic=True)(torch.ones(5, 3))
+    gm, example = graphs[0]
+    args = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+    prepared = lowering.prepare(gm, args, args[-1].fake_mode)
+    with pytest.raises(Exception, match=r"specialised dynamic size\(s\) \['s\d+'\] to constants"):
+        lowering.aten_graph(prepared, 18)
