@@ -3,9 +3,12 @@
 Compile and load are separate: lowering writes an artifact directory and
 ``artifact.load`` turns it into an :class:`~qaic_dynamo.artifact.Artifact` with one ONNX
 Runtime session; this module runs it and never imports the exporter. One artifact serves
-every layer whose piece has its fingerprint; each call site (each layer) gets a
-:class:`PieceRunner` with its own IOBinding per thread, so bindings that do not change
-between calls (weights, that layer's caches) are bound once.
+every layer whose piece has its fingerprint. Each call site of a split graph gets a
+:class:`PieceRunner` with its own IOBinding per thread; with the whole-model compile a
+call site is one layer, so bindings that do not change between calls (weights, that
+layer's caches) are bound once. With regional compilation one block graph, and so one
+runner, serves every layer, and each call re-binds what changed (the layer's weights and
+caches).
 
 Zero copies: every input is bound to the torch tensor's memory (IOBinding with the data
 pointer), and every output is written into a torch tensor allocated for it. A layer's KV
@@ -234,7 +237,6 @@ class PieceRunner(torch.nn.Module):
             caches = self._caches(ctx) if self._updates else []
             outs, sym = self.bind(args, ctx, caches)
             self.run_bound()
-            return self._assemble(args, outs, sym)
         except CacheLayoutError:
             raise
         except Exception as e:
@@ -247,6 +249,8 @@ class PieceRunner(torch.nn.Module):
             self.use_eager = True
             warn_fallback(self.label, f"ONNX Runtime failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             return out
+        # Outside the fallback: an error here is a bug in the layout, and must surface.
+        return self._assemble(args, outs, sym)
 
     def _assemble(self, args: Sequence[Any], outs: list[torch.Tensor | None], sym: dict[str, int] | None) -> Any:
         leaves = []

@@ -34,6 +34,7 @@ def test_the_block_is_traced_once_at_any_depth(L):
     number of graphs is the same at 2, 8 and 32 layers."""
     model = llama(L)
     llm = engine(model)  # backend="qaic", regional by default
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     with compilation_counter.expect(
         num_graphs_seen=4,  # the decoder block once, embed_tokens, norm, lm_head
         num_piecewise_graphs_seen=3 + 3,  # block: pre-attention, attention, post-attention; 3 one-piece regions
@@ -43,7 +44,7 @@ def test_the_block_is_traced_once_at_any_depth(L):
     ):
         out = llm.generate(PROMPTS, 6)  # prefill, then decode steps of another token count
     assert out == engine(model, backend="eager").generate(PROMPTS, 6)
-    assert torch._dynamo.utils.counters["graph_break"] == {}
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == breaks, "no graph breaks"
 
 
 def test_regional_matches_whole_model_and_eager_logits():
