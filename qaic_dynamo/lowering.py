@@ -78,6 +78,7 @@ __all__ = [
     "export_inputs",
     "kv_updates_to_retained_state",
     "lower_piece",
+    "onnx_registry",
     "outputs_and_leaves",
     "prepare",
     "sizes_from_tensors",
@@ -465,7 +466,11 @@ TESTED_TORCH = "2.13.0"
 class TorchOnnxInternals:
     """Private torch.onnx modules the direct path uses (torch 2.13):
 
-    * ``_registration.ONNXRegistry.from_torchlib`` - aten op -> onnxscript function;
+    * ``_registration.ONNXRegistry`` (its ``_register`` and
+      ``_cleanup_registry_based_on_opset_version``), ``OnnxDecompMeta``, ``_get_overload``
+      and ``_torchlib._torchlib_registry.get_torchlib_ops`` - aten op -> onnxscript
+      function, built the way ``ONNXRegistry.from_torchlib`` builds it (see
+      :func:`onnx_registry` for why not through it);
     * ``_decomp.get_onnx_implemented_overloads`` / ``create_onnx_friendly_decomposition_table``
       - decompositions for exactly the ops the registry lacks;
     * ``_fx_passes.insert_type_promotion_nodes`` / ``remove_assertion_nodes``;
@@ -485,7 +490,7 @@ _NEEDED = {
     "decomp": ("get_onnx_implemented_overloads", "create_onnx_friendly_decomposition_table"),
     "fx_passes": ("insert_type_promotion_nodes", "remove_assertion_nodes"),
     "ir_passes": ("add_opset_imports",),
-    "registration": ("ONNXRegistry",),
+    "registration": ("ONNXRegistry", "OnnxDecompMeta", "_get_overload", "_torchlib_registry"),
 }
 
 
@@ -515,13 +520,33 @@ def torch_onnx_internals() -> TorchOnnxInternals | None:
 
 
 @functools.cache
-def _registry(opset: int) -> Any:
+def onnx_registry(opset: int) -> Any:
     """torch.onnx's op registry with our translations, built once per opset.
 
-    Building it from onnxscript's torch library takes ~1 s here, which the public
-    ``torch.onnx.export`` pays on every call.
+    The same registry as ``ONNXRegistry.from_torchlib``, built without its one slow step:
+    that lists onnxscript's torch library through ``get_torchlib_ops()``, which parses the
+    source of every one of ~540 functions (``function_ir``) only to read a domain the
+    registry never uses - 0.6 of its 1.2 s here, paid by every cold process that lowers.
+    ``test_registry_matches_from_torchlib`` checks that both give the same functions.
     """
-    registry = torch_onnx_internals().registration.ONNXRegistry.from_torchlib(opset_version=opset)
+    reg = torch_onnx_internals().registration
+    # Importing the ops registers them in onnxscript's default registry.
+    from onnxscript.function_libs.torch_lib import ops, registration  # noqa: F401
+
+    registry = reg.ONNXRegistry()
+    registry._opset_version = opset
+    for meta in reg._torchlib_registry.get_torchlib_ops():
+        registry._register(meta.fx_target, meta)
+    for qualified_name, funcs in registration.default_registry.items():
+        if qualified_name.startswith("internal::"):
+            continue
+        target = reg._get_overload(qualified_name)
+        if target is None:
+            continue
+        for fn, is_complex in [(f, False) for f in funcs.overloads] + [(f, True) for f in funcs.complex]:
+            registry._register(target, reg.OnnxDecompMeta(
+                onnx_function=fn, fx_target=target, signature=None, is_custom=False, is_complex=is_complex))
+    registry._cleanup_registry_based_on_opset_version()
     for target, fn in _translations().items():
         registry.register_op(target, fn, is_complex=False)
     return registry
@@ -531,7 +556,7 @@ def _registry(opset: int) -> Any:
 def _decompositions(opset: int) -> dict[Any, Any]:
     """Decompositions for every op the registry cannot translate directly (once per opset)."""
     decomp = torch_onnx_internals().decomp
-    return decomp.create_onnx_friendly_decomposition_table(set(decomp.get_onnx_implemented_overloads(_registry(opset))))
+    return decomp.create_onnx_friendly_decomposition_table(set(decomp.get_onnx_implemented_overloads(onnx_registry(opset))))
 
 
 class _DirectPathError(Exception):
@@ -632,7 +657,7 @@ def _lower_direct(prepared: PreparedPiece, opset: int, seconds: dict[str, float]
     model = ir.Model(ir.Graph([], [], nodes=[], name="main_graph"), ir_version=MAX_IR_VERSION, producer_name="qaic_dynamo")
     try:
         internals.core._translate_fx_graph(
-            gm.graph, model, graph_like=model.graph, owned_graphs={}, lower="at_conversion", registry=_registry(opset)
+            gm.graph, model, graph_like=model.graph, owned_graphs={}, lower="at_conversion", registry=onnx_registry(opset)
         )
     except Exception as e:
         raise _DirectPathError(_failing_op(e), _first_line(e)) from e
@@ -687,7 +712,7 @@ def _lower_with_exporter(prepared: PreparedPiece, opset: int) -> onnx.ModelProto
                 # opset_version=None: the registry already targets the opset, so no version
                 # conversion (which would also inline every function) is needed.
                 program = internals.core.export(
-                    prepared.gm, tuple(prepared.example), registry=_registry(opset), opset_version=None, **common
+                    prepared.gm, tuple(prepared.example), registry=onnx_registry(opset), opset_version=None, **common
                 )
             else:
                 program = torch.onnx.export(

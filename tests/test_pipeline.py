@@ -433,6 +433,26 @@ def test_every_piece_is_lowered_directly():
         assert set(stats["seconds"]) == {"prepare", "aten_trace", "translate", "checks", "save"}
 
 
+def test_registry_matches_from_torchlib():
+    # onnx_registry builds torch.onnx's registry without from_torchlib's slow listing; it
+    # must hold the same functions for every op, or the direct path would translate
+    # differently from the exporter.
+    from torch.onnx._internal.exporter._registration import ONNXRegistry
+
+    from qaic_dynamo.lowering import onnx_registry
+
+    ours, reference = onnx_registry(18), ONNXRegistry.from_torchlib(opset_version=18)
+
+    def table(registry):
+        return {target: [(m.onnx_function, m.is_complex, m.is_custom) for m in metas]
+                for target, metas in registry.functions.items()}
+
+    theirs, mine = table(reference), table(ours)
+    qaic = {t for t in mine if str(t).startswith("qaic::")}
+    assert len(theirs) > 300 and {t: v for t, v in mine.items() if t not in qaic} == theirs
+    assert qaic == {str(op.overload.name()) for op in QAIC_OPS.values() if op.onnx_function}
+
+
 def test_without_the_direct_path_the_exporter_lowers_every_piece_with_one_warning(monkeypatch):
     from qaic_dynamo import lowering
 
