@@ -134,6 +134,11 @@ class CompiledRegion(nn.Module):
         super().__init__()
         self.module = module
         object.__setattr__(self, "_compiled", compiled)  # not a submodule: no duplicate parameters
+        # The wrapper is invisible in checkpoints: the model's state_dict keys stay those of
+        # the uncompiled model (``layers.0.mlp...``, not ``layers.0.module.mlp...``), so a
+        # checkpoint saved before compiling loads after it and vice versa.
+        self._register_state_dict_hook(_drop_wrapper_prefix)
+        self._register_load_state_dict_pre_hook(_add_wrapper_prefix)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         mark_dynamic_dims(args, kwargs)
@@ -146,6 +151,18 @@ class CompiledRegion(nn.Module):
             return getattr(self._modules["module"], name)
 
 
+def _drop_wrapper_prefix(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    inner = prefix + "module."
+    for key in [k for k in state if k.startswith(inner)]:
+        state[prefix + key[len(inner):]] = state.pop(key)
+
+
+def _add_wrapper_prefix(state: dict[str, Any], prefix: str, *args: Any) -> None:
+    inner = prefix + "module."
+    for key in [k for k in state if k.startswith(prefix) and not k.startswith(inner)]:
+        state[inner + key[len(prefix):]] = state.pop(key)
+
+
 def compile(model: nn.Module, **options: Any) -> nn.Module:  # noqa: A001  (mirrors torch.compile)
     """Compile ``model`` region by region with ``backend="qaic"`` (in place; returns it).
 
@@ -155,6 +172,11 @@ def compile(model: nn.Module, **options: Any) -> nn.Module:  # noqa: A001  (mirr
     from qaic_dynamo.config import CompilationConfig
 
     CompilationConfig.from_options(options)  # reject bad options now, not at the first call
+    if any(isinstance(m, CompiledRegion) for m in model.modules()):
+        raise ValueError(
+            f"qaic_dynamo.compile: {type(model).__name__} is already compiled region by region (it holds "
+            "CompiledRegion modules); compile the original model once, or pass a fresh copy"
+        )
     plan = plan_regions(model)
 
     for _, blocks in plan.blocks:

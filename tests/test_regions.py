@@ -123,3 +123,25 @@ def test_compiled_region_reads_through_to_the_block():
     assert isinstance(region, CompiledRegion)
     assert region.self_attn is region.module.self_attn  # the model's Python may read block attributes
     assert model.kv_cache_layers == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+
+
+def test_compiling_twice_is_a_clear_error():
+    model = qaic_dynamo.compile(llama(2))
+    with pytest.raises(ValueError, match="already compiled region by region"):
+        qaic_dynamo.compile(model)
+
+
+def test_state_dict_keys_survive_regional_compile():
+    model = llama(2)
+    before = model.state_dict()
+    qaic_dynamo.compile(model)
+    after = model.state_dict()
+    assert list(after) == list(before) and all(after[k] is not None and after[k].equal(before[k]) for k in before)
+    # A checkpoint of the uncompiled model loads into the compiled one (and into every layer).
+    other = llama(2)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    model.load_state_dict(other.state_dict())
+    assert model.layers[1].module.down_proj.weight.equal(other.layers[1].down_proj.weight)
+    assert model.lm_head.module.weight.equal(other.lm_head.weight)
