@@ -37,12 +37,12 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from qaic_dynamo.artifact import ONNX_FILE
 from qaic_dynamo.cache import DiskCache, Source, artifact_cache
-from qaic_dynamo.config import CompilationConfig, ConfigError
+from qaic_dynamo.config import CompilationConfig, ConfigError, qaic_compiler_path
 from qaic_dynamo.counter import compilation_counter
 from qaic_dynamo.fingerprint import fingerprint
 from qaic_dynamo.lowering import LoweringError, lower_piece
 from qaic_dynamo.partition import Piece, PieceKind, SplitReason, split_graph
-from qaic_dynamo.runtime import QAIC_COMPILE, PieceRunner, qaic_compile, qaic_sdk_available, warn_fallback
+from qaic_dynamo.runtime import PieceRunner, qaic_compile, qaic_sdk_available, warn_fallback
 
 __all__ = ["GraphReport", "PieceReport", "QaicBackend", "compile_reports", "last_compile_report", "qaic_backend"]
 
@@ -218,7 +218,7 @@ class QaicBackend:
     def __init__(self, config: CompilationConfig) -> None:
         if config.runtime == "qaic" and not qaic_sdk_available():
             raise ConfigError(
-                f"runtime='qaic' needs the Qualcomm Cloud AI SDK, but {QAIC_COMPILE} is not installed; "
+                f"runtime='qaic' needs the Qualcomm Cloud AI SDK, but {qaic_compiler_path()} is not installed; "
                 "install the SDK, or use runtime='onnxruntime' (the default)"
             )
         self.config = config

@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import os
+from pathlib import Path
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -177,8 +178,14 @@ def default_cache_dir() -> str:
     return os.path.join(base, "qaic_dynamo")
 
 
+def qaic_compiler_path() -> Path:
+    """The qaic-compile binary: $QAIC_COMPILER, else the SDK's /opt/qti-aic/exec/qaic-compile."""
+    return Path(os.environ.get("QAIC_COMPILER") or "/opt/qti-aic/exec/qaic-compile")
+
+
 def _environment_defaults() -> dict[str, Any]:
-    """The one place environment variables are read (with default_cache_dir)."""
+    """The one place environment variables are read (with default_cache_dir and
+    qaic_compiler_path)."""
     env: dict[str, Any] = {}
     if os.environ.get("QAIC_DYNAMO_DUMP_DIR"):
         env["dump_dir"] = os.environ["QAIC_DYNAMO_DUMP_DIR"]

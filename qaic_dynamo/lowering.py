@@ -77,8 +77,10 @@ __all__ = [
     "PreparedPiece",
     "export_inputs",
     "kv_updates_to_retained_state",
+    "finish_model",
     "lower_piece",
     "onnx_registry",
+    "translate_aten",
     "outputs_and_leaves",
     "prepare",
     "sizes_from_tensors",
@@ -404,7 +406,21 @@ def lower_piece(
 
 
 def _finish(model: onnx.ModelProto, layout: PieceLayout, opset: int) -> onnx.ModelProto:
-    """Make the exported model self-contained and clean, and check it."""
+    """Make the exported piece self-contained and clean, and check it."""
+    if layout.kv_updates and not any(n.op_type == "KVCacheScatter" and n.domain == QAIC_DOMAIN for n in model.graph.node):
+        raise LoweringError("the exported model has no KVCacheScatter node for its cache update")
+    model = finish_model(model, opset)
+    names = [i.name for i in model.graph.input]
+    want = [i["name"] for i in layout.inputs]
+    if names != want:
+        raise LoweringError(f"the exporter changed the inputs: expected {want}, got {names}")
+    return model
+
+
+def finish_model(model: onnx.ModelProto, opset: int, check: bool = True) -> onnx.ModelProto:
+    """Make a translated model self-contained and clean (onnxscript's helper functions
+    inlined, our functions attached, no unused initializers) and, with ``check``, pass
+    ``onnx.checker.check_model(full_check=True)``."""
     model.ir_version = min(model.ir_version, MAX_IR_VERSION)
     # Helper functions of onnxscript's torch library (pkg.onnxscript.torch_lib) are
     # inlined so the model holds only standard ops and our own functions.
@@ -414,21 +430,16 @@ def _finish(model: onnx.ModelProto, layout: PieceLayout, opset: int) -> onnx.Mod
 
     used = {n.op_type for n in model.graph.node if n.domain == QAIC_DOMAIN}
     model.functions.extend(function_protos(used))
-    if layout.kv_updates and "KVCacheScatter" not in used:
-        raise LoweringError("the exported model has no KVCacheScatter node for its cache update")
     # A graph whose outputs are all constants has no nodes, and the exporter then imports
     # no opset; the checker (rightly) rejects that.
     if not any(o.domain in ("", "ai.onnx") for o in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid("", opset))
     _remove_unused_initializers(model)
-    try:
-        onnx.checker.check_model(model, full_check=True)
-    except Exception as e:
-        raise LoweringError(f"the lowered model fails onnx.checker: {_first_line(e)}") from e
-    names = [i.name for i in model.graph.input]
-    want = [i["name"] for i in layout.inputs]
-    if names != want:
-        raise LoweringError(f"the exporter changed the inputs: expected {want}, got {names}")
+    if check:
+        try:
+            onnx.checker.check_model(model, full_check=True)
+        except Exception as e:
+            raise LoweringError(f"the lowered model fails onnx.checker: {_first_line(e)}") from e
     return model
 
 
@@ -567,7 +578,7 @@ class _DirectPathError(Exception):
         self.op = op
 
 
-def _fake_inputs(prepared: PreparedPiece) -> list[torch.Tensor]:
+def _fake_inputs(example: Sequence[torch.Tensor], dynamic_shapes: Sequence[dict[int, Any] | None]) -> list[torch.Tensor]:
     """Fresh fake inputs whose dynamic dims (and only those) are symbols.
 
     A private fake mode and shape env: tracing in Dynamo's own would add guards to the
@@ -578,9 +589,9 @@ def _fake_inputs(prepared: PreparedPiece) -> list[torch.Tensor]:
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
     fakes = []
-    for example, dynamic in zip(prepared.example, prepared.dynamic_shapes):
-        dims = [DimDynamic.DYNAMIC if d in (dynamic or {}) else DimDynamic.STATIC for d in range(example.dim())]
-        fakes.append(mode.from_tensor(example, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims)))
+    for t, dynamic in zip(example, dynamic_shapes):
+        dims = [DimDynamic.DYNAMIC if d in (dynamic or {}) else DimDynamic.STATIC for d in range(t.dim())]
+        fakes.append(mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims)))
     return fakes
 
 
@@ -588,20 +599,24 @@ def _is_mutation(node: fx.Node) -> bool:
     return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
 
 
-def aten_graph(prepared: PreparedPiece, opset: int) -> fx.GraphModule:
-    """The piece as a functional aten graph, decomposed to what the registry translates:
-    one fake-tensor trace with the decompositions applied during it (no torch.export, no
-    run_decompositions re-trace)."""
+def aten_graph(
+    fn: Any, example: Sequence[torch.Tensor], dynamic_shapes: Sequence[dict[int, Any] | None], opset: int
+) -> fx.GraphModule:
+    """``fn`` (a piece, or any traceable callable of tensors) as a functional aten graph,
+    decomposed to what the registry translates: one fake-tensor trace with the
+    decompositions applied during it (no torch.export, no run_decompositions re-trace).
+    ``dynamic_shapes[i]`` holds the dynamic dims of ``example[i]``; the example sizes of
+    dynamic dims must not be 0 or 1 (they would be specialised)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     internals = torch_onnx_internals()
-    fakes = _fake_inputs(prepared)
+    fakes = _fake_inputs(example, dynamic_shapes)
     with (
         torch._guards.tracing(None),  # the passes below detect their fake mode through it
         torch.fx.experimental._config.patch(backed_size_oblivious=True),
         torch._dispatch.python.enable_python_dispatcher(),
     ):
-        gm = make_fx(prepared.gm, decomposition_table=_decompositions(opset), tracing_mode="fake")(*fakes)
+        gm = make_fx(fn, decomposition_table=_decompositions(opset), tracing_mode="fake")(*fakes)
         # A few decompositions (rms_norm's) write in place; ONNX has no mutation. The
         # second trace is of an aten graph with no decompositions left, so it is cheap.
         if any(_is_mutation(n) for n in gm.graph.nodes):
@@ -646,14 +661,13 @@ def _expand_sym_numel(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _lower_direct(prepared: PreparedPiece, opset: int, seconds: dict[str, float]) -> onnx.ModelProto:
-    """Translate the piece's aten graph node by node through the exporter's registry."""
+def translate_aten(gm: fx.GraphModule, input_names: Sequence[str], output_names: Sequence[str], opset: int) -> onnx.ModelProto:
+    """Translate an aten graph (from :func:`aten_graph`) node by node through the
+    exporter's registry, naming its inputs and outputs. Raises if a node has no
+    translation (the piece path then falls back to the exporter)."""
     import onnx_ir as ir
 
     internals = torch_onnx_internals()
-    t0 = time.perf_counter()
-    gm = aten_graph(prepared, opset)
-    seconds["aten_trace"] = time.perf_counter() - t0
     model = ir.Model(ir.Graph([], [], nodes=[], name="main_graph"), ir_version=MAX_IR_VERSION, producer_name="qaic_dynamo")
     try:
         internals.core._translate_fx_graph(
@@ -662,14 +676,22 @@ def _lower_direct(prepared: PreparedPiece, opset: int, seconds: dict[str, float]
     except Exception as e:
         raise _DirectPathError(_failing_op(e), _first_line(e)) from e
     internals.ir_passes.add_opset_imports(model)
-    if len(model.graph.inputs) != len(prepared.input_names) or len(model.graph.outputs) != len(prepared.output_names):
+    if len(model.graph.inputs) != len(input_names) or len(model.graph.outputs) != len(output_names):
         raise _DirectPathError("(graph)", f"translated {len(model.graph.inputs)} inputs / {len(model.graph.outputs)} outputs, "
-                               f"expected {len(prepared.input_names)} / {len(prepared.output_names)}")
-    for value, name in zip(model.graph.inputs, prepared.input_names):
+                               f"expected {len(input_names)} / {len(output_names)}")
+    for value, name in zip(model.graph.inputs, input_names):
         value.name = name
-    for value, name in zip(model.graph.outputs, prepared.output_names):
+    for value, name in zip(model.graph.outputs, output_names):
         value.name = name
     return ir.serde.serialize_model(model)
+
+
+def _lower_direct(prepared: PreparedPiece, opset: int, seconds: dict[str, float]) -> onnx.ModelProto:
+    """Translate the piece's aten graph node by node through the exporter's registry."""
+    t0 = time.perf_counter()
+    gm = aten_graph(prepared.gm, prepared.example, prepared.dynamic_shapes, opset)
+    seconds["aten_trace"] = time.perf_counter() - t0
+    return translate_aten(gm, prepared.input_names, prepared.output_names, opset)
 
 
 def _failing_op(e: BaseException) -> str:

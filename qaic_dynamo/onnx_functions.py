@@ -40,7 +40,7 @@ from onnxscript.values import Op, Opset
 
 from qaic_dynamo.ops import QAIC_DOMAIN
 
-__all__ = ["KVCacheScatter", "TRANSLATIONS", "function_protos", "kv_cache_scatter_node"]
+__all__ = ["CtxGather", "CtxScatter", "KVCacheScatter", "TRANSLATIONS", "function_protos", "kv_cache_scatter_node"]
 qaic_opset = Opset(QAIC_DOMAIN, 1)
 
 TFloat = TypeVar("TFloat", bound=Union[FLOAT, FLOAT16, BFLOAT16])
@@ -86,6 +86,77 @@ def KVCacheScatter(cache: TFloat, slot_mapping: INT64, updates: TFloat) -> TFloa
     return op.ScatterND(cache, indices, src)
 
 
+@onnxscript.script(qaic_opset, default_opset=op)
+def CtxScatter(data: TFloat, position_ids: INT64, updates: TFloat) -> TFloat:
+    """QEfficient's retained-state write: updates[b, h, s] -> data[b, h, position_ids[b, s]].
+
+    A padded position (-1) repeats its row's first real write (same slot, same value), or
+    rewrites slot 0 with its own value in a row with no real token: as in KVCacheScatter,
+    ScatterND's undefined order among duplicates cannot matter, and padding writes nothing
+    new (a raw -1 would count from the end and overwrite the last slot).
+    """
+    zero = op.Constant(value_ints=[0])
+    one = op.Constant(value_ints=[1])
+    two = op.Constant(value_ints=[2])
+    three = op.Constant(value_ints=[3])
+    shape = op.Shape(data)
+    pshape = op.Shape(position_ids)
+    batch = op.Slice(pshape, zero, one)
+    seq = op.Slice(pshape, one, two)
+    heads = op.Slice(shape, one, two)
+    head_dim = op.Slice(shape, three, op.Constant(value_ints=[4]))
+
+    valid = op.GreaterOrEqual(position_ids, op.Constant(value_int=0))  # [B, S]
+    first = op.ArgMax(op.Cast(valid, to=6), axis=1, keepdims=1)  # [B, 1]
+    first_pos = op.GatherElements(position_ids, first, axis=1)  # [B, 1]
+    any_valid = op.GreaterOrEqual(first_pos, op.Constant(value_int=0))
+    fill_pos = op.Where(any_valid, first_pos, op.Constant(value_int=0))
+    pos = op.Where(valid, position_ids, fill_pos)  # [B, S]
+
+    # The value each padded token writes: its row's first real update, or slot 0's own.
+    row_shape = op.Concat(batch, heads, one, head_dim, axis=0)
+    first_idx = op.Expand(op.Unsqueeze(first, op.Constant(value_ints=[1, 3])), row_shape)  # [B, H, 1, D]
+    first_update = op.GatherElements(updates, first_idx, axis=2)
+    slot0 = op.Slice(data, zero, one, two)  # [B, H, 1, D]
+    any4 = op.Unsqueeze(any_valid, op.Constant(value_ints=[1, 3]))  # [B, 1, 1, 1]
+    fill = op.Where(any4, first_update, slot0)
+    valid4 = op.Unsqueeze(valid, op.Constant(value_ints=[1, 3]))  # [B, 1, S, 1]
+    src = op.Where(valid4, updates, fill)  # [B, H, S, D]
+
+    # indices [B, H, S, 3] = (b, h, pos[b, s])
+    grid = op.Concat(batch, heads, seq, axis=0)
+    b_idx = op.Expand(op.Unsqueeze(op.Range(op.Constant(value_int=0), op.Squeeze(batch, zero), op.Constant(value_int=1)),
+                                   op.Constant(value_ints=[1, 2])), grid)
+    h_idx = op.Expand(op.Unsqueeze(op.Range(op.Constant(value_int=0), op.Squeeze(heads, zero), op.Constant(value_int=1)),
+                                   op.Constant(value_ints=[0, 2])), grid)
+    p_idx = op.Expand(op.Unsqueeze(pos, one), grid)
+    indices = op.Concat(op.Unsqueeze(b_idx, three), op.Unsqueeze(h_idx, three), op.Unsqueeze(p_idx, three), axis=3)
+    return op.ScatterND(data, indices, src)
+
+
+@onnxscript.script(qaic_opset, default_opset=op)
+def CtxGather(data: TFloat, ctx_indices: INT64) -> TFloat:
+    """QEfficient's retained-state read: data[b, h, ctx_indices[b, h, n]] -> [B, H, N, D]."""
+    return op.GatherND(data, op.Unsqueeze(ctx_indices, op.Constant(value_ints=[3])), batch_dims=2)
+
+
+def _schema(name: str, inputs: list[tuple[str, str]], output: str) -> defs.OpSchema:
+    return defs.OpSchema(
+        name,
+        QAIC_DOMAIN,
+        1,
+        inputs=[defs.OpSchema.FormalParameter(n, t) for n, t in inputs],
+        outputs=[defs.OpSchema.FormalParameter(output, "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "cache dtype")],
+    )
+
+
+ctx_scatter_node = Op(qaic_opset, "CtxScatter",
+                      _schema("CtxScatter", [("data", "T"), ("position_ids", "tensor(int64)"), ("updates", "T")], "out"))
+ctx_gather_node = Op(qaic_opset, "CtxGather",
+                     _schema("CtxGather", [("data", "T"), ("ctx_indices", "tensor(int64)")], "out"))
+
+
 _SCHEMA = defs.OpSchema(
     "KVCacheScatter",
     QAIC_DOMAIN,
@@ -102,7 +173,7 @@ _SCHEMA = defs.OpSchema(
 #: Calling this inside a torch.onnx custom translation emits one KVCacheScatter node.
 kv_cache_scatter_node = Op(qaic_opset, "KVCacheScatter", _SCHEMA)
 
-_FUNCTIONS = {"KVCacheScatter": KVCacheScatter}
+_FUNCTIONS = {"KVCacheScatter": KVCacheScatter, "CtxScatter": CtxScatter, "CtxGather": CtxGather}
 
 
 def _translate_kv_cache_scatter(key, value, key_cache, value_cache, slot_mapping):
@@ -114,7 +185,11 @@ def _translate_kv_cache_scatter(key, value, key_cache, value_cache, slot_mapping
 
 
 #: ONNX function name (a registry entry's ``onnx_function``) -> torch.onnx translation.
-TRANSLATIONS = {"KVCacheScatter": _translate_kv_cache_scatter}
+TRANSLATIONS = {
+    "KVCacheScatter": _translate_kv_cache_scatter,
+    "CtxScatter": lambda data, position_ids, updates: ctx_scatter_node(data, position_ids, updates),
+    "CtxGather": lambda data, ctx_indices: ctx_gather_node(data, ctx_indices),
+}
 
 
 def function_protos(used: set[str]) -> list:

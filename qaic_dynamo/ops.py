@@ -20,6 +20,12 @@ Op contracts (shapes use T = tokens, H = heads, D = head size):
 * ``kv_cache_scatter(key, value, key_cache, value_cache, slot_mapping) -> (key_cache',
   value_cache')``: the functional ``reshape_and_cache`` (updated copies). Lowering only;
   in ONNX it is ``com.qualcomm.cloud::KVCacheScatter``.
+* ``ctx_scatter(data[B,H,C,D], position_ids[B,S], updates[B,H,S,D]) -> data'``: QEfficient's
+  retained-state KV write for the deployment export (``updates[b,h,s]`` to
+  ``data[b,h,position_ids[b,s]]``; position -1 is padding and writes nothing). In ONNX
+  ``com.qualcomm.cloud::CtxScatter``.
+* ``ctx_gather(data[B,H,C,D], ctx_indices[B,H,N]) -> [B,H,N,D]``: the matching read
+  (``GatherND`` with ``batch_dims=2``); in ONNX ``com.qualcomm.cloud::CtxGather``.
 * ``unified_kv_cache_update(key, value, layer_name) -> dep`` resolves the layer in the
   forward context, writes its caches with the context's slot mapping and returns an empty
   dependency tensor that attention takes, so the graph orders the read after the write.
@@ -47,6 +53,8 @@ __all__ = [
     "QAIC_OPS",
     "OpRole",
     "QaicOp",
+    "ctx_gather",
+    "ctx_scatter",
     "kv_cache_scatter",
     "kv_cache_update_op",
     "op_name",
@@ -109,6 +117,8 @@ QAIC_OPS: dict[str, QaicOp] = {
         QaicOp("qaic::unified_mla_kv_cache_update", OpRole.KV_CACHE_UPDATE,
                retained_state=("compressed_kv", "k_pe"), lowers_to="qaic::kv_cache_scatter"),
         QaicOp("qaic::unified_attention", OpRole.SPLITTING),
+        QaicOp("qaic::ctx_scatter", OpRole.KERNEL, onnx_function="CtxScatter"),
+        QaicOp("qaic::ctx_gather", OpRole.KERNEL, onnx_function="CtxGather"),
         QaicOp("qaic::unified_mla_attention", OpRole.SPLITTING),
     )
 }
@@ -168,6 +178,16 @@ def kv_cache_scatter(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``reshape_and_cache`` without side effects: returns updated copies of the caches."""
     return torch.ops.qaic.kv_cache_scatter(key, value, key_cache, value_cache, slot_mapping)
+
+
+def ctx_scatter(data: torch.Tensor, position_ids: torch.Tensor, updates: torch.Tensor) -> torch.Tensor:
+    """Retained-state KV write (QEfficient's CtxScatter): an updated copy of ``data``."""
+    return torch.ops.qaic.ctx_scatter(data, position_ids, updates)
+
+
+def ctx_gather(data: torch.Tensor, ctx_indices: torch.Tensor) -> torch.Tensor:
+    """Retained-state KV read (QEfficient's CtxGather): ``data[b, h, ctx_indices[b, h, n]]``."""
+    return torch.ops.qaic.ctx_gather(data, ctx_indices)
 
 
 def unified_kv_cache_update(
@@ -232,6 +252,20 @@ def _kv_cache_scatter_fake(key, value, key_cache, value_cache, slot_mapping):
     return torch.empty_like(key_cache, memory_format=torch.contiguous_format), torch.empty_like(
         value_cache, memory_format=torch.contiguous_format
     )
+
+
+@torch.library.register_fake("qaic::ctx_scatter")
+def _ctx_scatter_fake(data, position_ids, updates):
+    torch._check(data.dim() == 4 and updates.dim() == 4 and position_ids.dim() == 2,
+                 lambda: "ctx_scatter: data and updates must be 4-d, position_ids 2-d")
+    return torch.empty_like(data, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("qaic::ctx_gather")
+def _ctx_gather_fake(data, ctx_indices):
+    torch._check(data.dim() == 4 and ctx_indices.dim() == 3,
+                 lambda: "ctx_gather: data must be 4-d and ctx_indices 3-d")
+    return data.new_empty((ctx_indices.shape[0], ctx_indices.shape[1], ctx_indices.shape[2], data.shape[3]))
 
 
 @torch.library.register_fake("qaic::unified_kv_cache_update")

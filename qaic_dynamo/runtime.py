@@ -41,14 +41,13 @@ from torch.utils import _pytree as pytree
 
 from qaic_dynamo import _C
 from qaic_dynamo.artifact import ONNX_ELEMENT_TYPES, ONNX_FILE, Artifact, evaluate_symbol_expression
-from qaic_dynamo.config import CompilationConfig
+from qaic_dynamo.config import CompilationConfig, qaic_compiler_path
 from qaic_dynamo.counter import compilation_counter
 
 __all__ = [
     "CacheLayoutError",
     "PieceRunError",
     "PieceRunner",
-    "QAIC_COMPILE",
     "QaicCompileError",
     "qaic_compile",
     "qaic_compile_command",
@@ -58,7 +57,6 @@ __all__ = [
 
 logger = logging.getLogger("qaic_dynamo")
 
-QAIC_COMPILE = Path("/opt/qti-aic/exec/qaic-compile")
 
 _CPU = ort.OrtDevice.make("cpu", 0)._get_c_device()
 
@@ -276,13 +274,16 @@ def qaic_compile_command(
     custom_io: Path | None = None,
     specializations: Path | None = None,
     extra: dict[str, Any] | None = None,
+    compiler: Path | None = None,
 ) -> list[str]:
-    """The ``qaic-compile`` command line for an artifact (QEfficient's conventions).
+    """The ``qaic-compile`` command line for an artifact directory holding ``model.onnx``
+    (QEfficient's conventions); the deployment export builds its command here too.
 
     ``extra`` maps ``key_name=value`` to ``-key-name=value``; ``True`` gives a bare flag.
+    ``compiler``: default ``$QAIC_COMPILER`` or the SDK's path.
     """
     cmd = [
-        str(QAIC_COMPILE), "-aic-hw", "-aic-hw-version=2.0", f"-m={artifact_dir / ONNX_FILE}",
+        str(compiler or qaic_compiler_path()), "-aic-hw", "-aic-hw-version=2.0", f"-m={artifact_dir / ONNX_FILE}",
         "-retained-state", "-convert-to-fp16", f"-aic-num-cores={num_cores}",
     ]
     if custom_io is not None:
@@ -300,14 +301,15 @@ def qaic_compile_command(
 
 
 def qaic_sdk_available() -> bool:
-    return (QAIC_COMPILE.exists() and os.access(QAIC_COMPILE, os.X_OK)) or shutil.which("qaic-compile") is not None
+    path = qaic_compiler_path()
+    return (path.exists() and os.access(path, os.X_OK)) or shutil.which("qaic-compile") is not None
 
 
 def qaic_compile(artifact_dir: Path, out_dir: Path, **kwargs: Any) -> Path:
     """Compile an artifact with the Qualcomm SDK into ``out_dir`` (a QPC directory)."""
     if not qaic_sdk_available():
         raise QaicCompileError(
-            f"runtime='qaic' needs the Qualcomm Cloud AI SDK ({QAIC_COMPILE} not found); "
+            f"runtime='qaic' needs the Qualcomm Cloud AI SDK ({qaic_compiler_path()} not found); "
             "install it, or use runtime='onnxruntime'"
         )
     cmd = qaic_compile_command(artifact_dir, out_dir, **kwargs)

@@ -513,4 +513,4 @@ def test_the_direct_path_refuses_a_trace_that_specialises_a_dynamic_size():
     args = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
     prepared = lowering.prepare(gm, args, args[-1].fake_mode)
     with pytest.raises(Exception, match=r"specialised dynamic size\(s\) \['s\d+'\] to constants"):
-        lowering.aten_graph(prepared, 18)
+        lowering.aten_graph(prepared.gm, prepared.example, prepared.dynamic_shapes, 18)

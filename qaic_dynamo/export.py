@@ -1,0 +1,982 @@
+"""Deployment export: one self-contained ONNX model per LLM, in QAIC's conventions.
+
+The torch.compile path runs pieces on the host. A Cloud AI 100 card needs something else:
+one model whose KV cache is *retained state* - input ``past_key.{i}``, output
+``past_key.{i}_RetainedState`` in the layout ``[batch, kv_heads, ctx_len, head_dim]`` -
+with the cache write and read as ``com.qualcomm.cloud`` functions (``CtxScatter``,
+``CtxGather``), plus the compiler's ``custom_io.yaml`` and ``specializations.json``.
+:func:`export_for_qaic` builds it for every model the engine runs (transformers families,
+a local model directory, the reference Llama and MLA models).
+
+How: the model runs in the engine's flat-token form, and :class:`RetainedStateKV` (a
+TorchFunctionMode) gives the qaic ops retained-state meaning while the lowering stage
+traces it - the KV update becomes ``qaic::ctx_scatter`` into the layer's ``past`` input
+at ``position_ids``, attention reads the updated cache with ``qaic::ctx_gather`` under a
+causal mask built from ``position_ids`` (a padded position, -1, sees nothing and writes
+nothing). The trace and the ONNX translation are the backend's direct lowering
+(``lowering.aten_graph`` / ``translate_aten``): no torch.export.
+
+``layerwise=True`` (the default) uses the structural reuse the backend relies on: the
+model is traced with only its first two decoder blocks, the aten graph is cut at the
+block boundaries (recorded as node annotations), the two blocks are checked to be the
+same graph, and the one block is translated once and stitched L times into the merged
+model - each instance with its own weights and its own retained-state names. Export
+time is then flat in depth apart from writing the weights. ``layerwise=False`` traces and
+translates the whole model (time linear in depth); both give the same model numerically.
+
+Names come from one place: :func:`retained_state_names` gives each layer's input and
+output names from the registry's stems, and :func:`apply_kv_cache_prefix` is the one
+function that inserts ``kv_cache_prefix`` into a list of names. Both export paths pass
+their output names through it and derive every KV input from its output
+(:func:`align_inputs_to_outputs`), so no path can drop the prefix or leave an input
+unpaired (the three upstream bugs in QEfficient's layerwise export).
+
+Weights are ONNX external data beside the model (real models exceed protobuf's 2 GB), so
+the artifact loads from any working directory. The export directory is named by a hash of
+everything that changes the artifact (:meth:`ExportOptions.compute_hash` and the model's
+identity), and the hashed parameters are written beside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+from qaic_dynamo.forward_context import FROM_FORWARD_CONTEXT
+from qaic_dynamo.ops import QAIC_OPS, OpRole, op_name
+
+__all__ = [
+    "ExportError",
+    "ExportOptions",
+    "ExportResult",
+    "RETAINED_STATE_SUFFIX",
+    "RetainedStateKV",
+    "align_inputs_to_outputs",
+    "apply_kv_cache_prefix",
+    "compile_command",
+    "custom_io_yaml",
+    "export_for_qaic",
+    "retained_state_names",
+    "specializations",
+    "validate_kv_cache_prefix",
+]
+
+RETAINED_STATE_SUFFIX = "_RetainedState"
+ONNX_NAME = "model.onnx"
+DATA_NAME = "model.onnx.data"
+KV_PRECISIONS = ("float16", "mxint8")
+_BLOCK = "qaic_export_block"
+
+
+class ExportError(ValueError):
+    """The model or the options cannot be exported; the message says why and what to do."""
+
+
+# --- names -------------------------------------------------------------------------------
+
+
+def validate_kv_cache_prefix(prefix: Any) -> str | None:
+    """``prefix`` if it is a valid ``kv_cache_prefix`` (None: no prefix), else ExportError.
+
+    Alphanumeric only, as QEfficient: the prefix sits between ``past_key.{i}`` and
+    ``_RetainedState``, so a dot, underscore, dash or space would make names ambiguous."""
+    if prefix is None:
+        return None
+    if not isinstance(prefix, str):
+        raise ExportError(f"kv_cache_prefix must be a string, got {type(prefix).__name__} {prefix!r}")
+    if not prefix.isalnum():
+        raise ExportError(
+            f"kv_cache_prefix must be a non-empty alphanumeric string (str.isalnum(): no dots, underscores, "
+            f"dashes or spaces), got {prefix!r}; e.g. 'vllm' or 'KV0'"
+        )
+    return prefix
+
+
+def kv_stems() -> tuple[str, ...]:
+    """Every retained-state stem of the registry's KV-cache updates (past_key, ...)."""
+    return tuple(dict.fromkeys(s for op in QAIC_OPS.values() if op.role is OpRole.KV_CACHE_UPDATE for s in op.retained_state))
+
+
+def retained_state_names(stems: Sequence[str], layer: int) -> list[str]:
+    """The plain retained-state *output* names of one layer's caches
+    (``past_key.3_RetainedState``, ...); the prefix, if any, is applied to these by
+    :func:`apply_kv_cache_prefix`, and inputs follow from them."""
+    return [f"{stem}.{layer}{RETAINED_STATE_SUFFIX}" for stem in stems]
+
+
+_KV_OUTPUT = re.compile(r"^(?P<stem>[A-Za-z_]+)\.(?P<layer>\d+)" + RETAINED_STATE_SUFFIX + "$")
+
+
+def apply_kv_cache_prefix(names: Sequence[str], prefix: str | None) -> list[str]:
+    """``names`` with ``prefix`` inserted into each KV retained-state output:
+    ``past_key.3_RetainedState`` -> ``past_key.3_P_RetainedState``. Other names (logits,
+    ``vision_embeds_RetainedState``, ...) are returned unchanged; without a prefix the
+    list is returned as is."""
+    prefix = validate_kv_cache_prefix(prefix)
+    if prefix is None:
+        return list(names)
+    stems = set(kv_stems())
+    out = []
+    for name in names:
+        m = _KV_OUTPUT.match(name)
+        if m and m["stem"] in stems:
+            name = f"{m['stem']}.{m['layer']}_{prefix}{RETAINED_STATE_SUFFIX}"
+        out.append(name)
+    return out
+
+
+def align_inputs_to_outputs(output_names: Sequence[str]) -> dict[str, str]:
+    """Each retained-state output ``X_RetainedState`` -> its input ``X``: the compiler pairs
+    them by name, so the input name is always derived from the output's."""
+    return {o: o[: -len(RETAINED_STATE_SUFFIX)] for o in output_names if o.endswith(RETAINED_STATE_SUFFIX)}
+
+
+# --- options -----------------------------------------------------------------------------
+
+
+def _doc(text: str) -> dict[str, str]:
+    return {"doc": text}
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """What :func:`export_for_qaic` builds. Every field changes the artifact and is hashed."""
+
+    batch_size: int = field(default=1, metadata=_doc("Decode batch size (the Decode specialization)."))
+    prefill_seq_len: int = field(default=32, metadata=_doc("Tokens per prefill call (the Prefill specialization)."))
+    ctx_len: int = field(default=128, metadata=_doc("KV-cache capacity per sequence (retained layout dim 2)."))
+    kv_cache_prefix: str | None = field(default=None, metadata=_doc("Alphanumeric infix for KV names; None: none."))
+    layerwise: bool = field(default=True, metadata=_doc("Lower one decoder block and stitch it L times."))
+    kv_precision: str = field(default="float16", metadata=_doc("custom_io precision of the KV buffers: float16 or mxint8."))
+    num_cores: int = field(default=16, metadata=_doc("qaic-compile -aic-num-cores."))
+    compiler_options: tuple[tuple[str, Any], ...] = field(
+        default=(), metadata=_doc("Extra qaic-compile options, key_name=v -> -key-name=v; True -> bare flag."))
+    opset: int = field(default=18, metadata=_doc("ONNX opset of the model."))
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "prefill_seq_len", "ctx_len", "num_cores"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ExportError(f"{name} must be a positive int, got {v!r}")
+        if self.prefill_seq_len > self.ctx_len:
+            raise ExportError(f"prefill_seq_len ({self.prefill_seq_len}) must not exceed ctx_len ({self.ctx_len})")
+        validate_kv_cache_prefix(self.kv_cache_prefix)
+        if self.kv_precision not in KV_PRECISIONS:
+            raise ExportError(f"kv_precision must be one of {KV_PRECISIONS}, got {self.kv_precision!r}")
+        if not isinstance(self.layerwise, bool):
+            raise ExportError(f"layerwise must be a bool, got {self.layerwise!r}")
+
+    @classmethod
+    def from_options(cls, **options: Any) -> ExportOptions:
+        valid = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - valid)
+        if unknown:
+            raise ExportError(f"unknown export option(s) {unknown}; valid options: {sorted(valid)}")
+        if isinstance(options.get("compiler_options"), dict):
+            options["compiler_options"] = tuple(sorted(options["compiler_options"].items()))
+        return cls(**options)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["compiler_options"] = dict(self.compiler_options)
+        return d
+
+    def compute_hash(self, model_identity: dict[str, Any]) -> str:
+        """Short sha256 of every field and the model's identity (sorted-key JSON)."""
+        blob = json.dumps({"options": self.as_dict(), "model": model_identity}, sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# --- retained-state semantics for the qaic ops ----------------------------------------------
+
+
+class RetainedStateKV(TorchFunctionMode):
+    """While active, the qaic KV-update and attention ops act on retained-state caches.
+
+    ``past`` holds each layer's caches ``[batch, heads, ctx_len, dim]`` in
+    ``layer_names`` order; ``position_ids`` is ``[batch, seq_len]`` and the ops see the
+    tokens flattened to ``batch * seq_len`` rows. Updates resolve their layer by name, or
+    by call order for ``"from_forward_context"``; attention reads the layer updated last
+    (or the one it names). ``updated`` and ``stems`` are filled in per layer.
+    """
+
+    def __init__(self, layer_names: Sequence[str], past: Sequence[Sequence[torch.Tensor]], position_ids: torch.Tensor) -> None:
+        super().__init__()
+        self.layer_names = list(layer_names)
+        self.past = [list(p) for p in past]
+        self.position_ids = position_ids
+        self.updated: dict[int, list[torch.Tensor]] = {}
+        self.stems: dict[int, tuple[str, ...]] = {}
+        self._next = 0
+        self._last: int | None = None
+
+    def _layer(self, name: str, what: str) -> int:
+        if name == FROM_FORWARD_CONTEXT:
+            if what == "update":
+                i, self._next = self._next, self._next + 1
+            elif self._last is None:
+                raise ExportError("attention ran before any KV-cache update: the export needs update-then-attend layers")
+            else:
+                i = self._last
+        elif name in self.layer_names:
+            i = self.layer_names.index(name)
+        else:
+            raise ExportError(f"the model's op names layer {name!r}, which is not one of its KV-cache layers")
+        if i >= len(self.past):
+            raise ExportError(f"the model updated more KV caches ({i + 1}) than it declares ({len(self.past)})")
+        return i
+
+    def _to_bhsd(self, t: torch.Tensor) -> torch.Tensor:
+        """[B*S, H, D] (or [B*S, D]: one head) -> [B, H, S, D]."""
+        b, s = self.position_ids.shape
+        if t.dim() == 2:
+            t = t.unsqueeze(1)
+        return t.reshape(b, s, t.shape[-2], t.shape[-1]).transpose(1, 2)
+
+    def _from_bhsd(self, t: torch.Tensor) -> torch.Tensor:
+        b, h, s, d = t.shape
+        return t.transpose(1, 2).reshape(b * s, h, d)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = op_name(func) or ""
+        entry = QAIC_OPS.get(name)
+        if entry is None or not (entry.role is OpRole.KV_CACHE_UPDATE or entry.role is OpRole.SPLITTING):
+            return func(*args, **kwargs)
+        if entry.role is OpRole.KV_CACHE_UPDATE:
+            first, second, layer_name = args[:3]
+            i = self._layer(layer_name, "update")
+            self.stems[i] = entry.retained_state
+            self.updated[i] = [
+                torch.ops.qaic.ctx_scatter(cache, self.position_ids, self._to_bhsd(new).to(cache.dtype))
+                for cache, new in zip(self.past[i], (first, second))
+            ]
+            self._last = i
+            return first.new_empty(0)
+        if name == "qaic::unified_attention":
+            return self._attention(*args, **kwargs)
+        if name == "qaic::unified_mla_attention":
+            return self._mla_attention(*args, **kwargs)
+        raise ExportError(f"the deployment export has no retained-state form of {name}")
+
+    def _read(self, i: int) -> list[torch.Tensor]:
+        if i not in self.updated:
+            raise ExportError(f"layer {self.layer_names[i]!r} attends before its KV cache was updated")
+        out = []
+        for cache in self.updated[i]:
+            b, h, c, _ = cache.shape
+            idx = torch.arange(c, device=cache.device).expand(b, h, c)
+            out.append(torch.ops.qaic.ctx_gather(cache, idx))
+        return out
+
+    def _mask(self, ctx_len: int, sliding_window: int | None) -> torch.Tensor:
+        """[B, 1, S, C]: key slot c is visible to the token at position p iff c <= p (and
+        c > p - window); a padded token (p = -1) sees nothing."""
+        key_pos = torch.arange(ctx_len, device=self.position_ids.device)
+        pos = self.position_ids.unsqueeze(-1)  # [B, S, 1]
+        allowed = key_pos <= pos
+        if sliding_window is not None:
+            allowed = allowed & (key_pos > pos - sliding_window)
+        return allowed.unsqueeze(1)
+
+    def _softmax_attend(self, scores: torch.Tensor, allowed: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        # A finite minimum, not -inf: a padded row (nothing visible) gets a uniform, finite
+        # softmax instead of NaN; its output is never read.
+        scores = scores.float().masked_fill(~allowed, torch.finfo(torch.float32).min)
+        return torch.softmax(scores, dim=-1).to(value.dtype) @ value
+
+    def _attention(self, query, key, value, layer_name, scale=None, sliding_window=None, kv_cache_dependency=None):
+        i = self._layer(layer_name, "attention")
+        k, v = self._read(i)
+        q = self._to_bhsd(query)  # [B, Hq, S, D]
+        group = q.shape[1] // k.shape[1]
+        if group > 1:
+            k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+        scale = scale if scale is not None else q.shape[-1] ** -0.5
+        scores = (q @ k.transpose(-1, -2)) * scale
+        return self._from_bhsd(self._softmax_attend(scores, self._mask(k.shape[2], sliding_window), v))
+
+    def _mla_attention(self, q_latent, q_pe, layer_name, scale, kv_cache_dependency=None):
+        i = self._layer(layer_name, "attention")
+        c_kv, k_pe = self._read(i)  # [B, 1, C, R], [B, 1, C, P]
+        ql, qp = self._to_bhsd(q_latent), self._to_bhsd(q_pe)
+        scores = (ql @ c_kv.transpose(-1, -2) + qp @ k_pe.transpose(-1, -2)) * scale
+        return self._from_bhsd(self._softmax_attend(scores, self._mask(c_kv.shape[2], None), c_kv))
+
+
+# --- the model in retained-state form -------------------------------------------------------
+
+
+def _engine_model(model: Any) -> nn.Module:
+    from qaic_dynamo.models import load_model
+
+    try:
+        m = load_model(model)
+    except (TypeError, FileNotFoundError) as e:
+        raise ExportError(str(e).replace("LLM:", "export_for_qaic:")) from e
+    return m.eval()
+
+
+def _identity(engine_model: nn.Module) -> dict[str, Any]:
+    """What distinguishes one model from another in the export hash: its class, its
+    config and a digest of its weights."""
+    cfg = getattr(engine_model, "config", None) or getattr(getattr(engine_model, "hf", None), "config", None)
+    cfg_dict = cfg.to_dict() if hasattr(cfg, "to_dict") else (dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else repr(cfg))
+    h = hashlib.sha256()
+    for name, t in engine_model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().contiguous().view(torch.uint8).flatten()[:4096].numpy().tobytes())
+    return {"class": type(engine_model).__name__, "config": cfg_dict, "weights": h.hexdigest()[:16]}
+
+
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers by qualified name (tied weights once)."""
+    out = {name: p.detach() for name, p in model.named_parameters()}
+    out.update({name: b.detach() for name, b in model.named_buffers()})
+    return out
+
+
+@dataclass
+class _Trace:
+    """One traced export: the aten graph and what each of its inputs is."""
+
+    gm: fx.GraphModule
+    #: ("input", name) | ("past", layer, j) | ("weight", qualified name), per placeholder.
+    inputs: list[tuple]
+    stems: dict[int, tuple[str, ...]]
+    num_layers: int
+    vocab: int
+
+
+def _trace(model: nn.Module, layer_names: list[str], past_shapes: list[tuple[tuple[int, ...], ...]],
+           dtype: torch.dtype, opset: int) -> _Trace:
+    """Trace ``model`` (the engine form) as input_ids, position_ids, past..., weights ->
+    logits [B, 1, V], updated past... through the lowering's direct path."""
+    from qaic_dynamo.lowering import aten_graph
+
+    weights = _weights(model)
+    weight_names = list(weights)
+    past_spec = [(i, j) for i, shapes in enumerate(past_shapes) for j in range(len(shapes))]
+    recorded: dict[str, Any] = {}
+
+    def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, *rest: torch.Tensor):
+        flat_past, params = rest[: len(past_spec)], rest[len(past_spec):]
+        past = [list(flat_past[k: k + len(s)]) for k, s in zip(_offsets(past_shapes), past_shapes)]
+        b, s = input_ids.shape
+        # The logits row of each sequence: its last real token (the highest position).
+        last = position_ids.argmax(dim=1) + torch.arange(b, device=input_ids.device) * s
+        with RetainedStateKV(layer_names, past, position_ids) as mode:
+            logits = torch.func.functional_call(
+                model, dict(zip(weight_names, params)), (input_ids.reshape(-1), position_ids.reshape(-1), last))
+        recorded["stems"] = mode.stems
+        if len(mode.updated) != len(past):
+            raise ExportError(f"the model updated {len(mode.updated)} of its {len(past)} KV caches in one forward")
+        return (logits.unsqueeze(1), *[t for i in range(len(past)) for t in mode.updated[i]])
+
+    batch, seq, ctx = 3, 5, 17  # distinct, not 0/1: every one stays a symbol
+    ex_ids = torch.zeros(batch, seq, dtype=torch.long)
+    ex_pos = torch.arange(seq).repeat(batch, 1)
+    ex_past = [torch.zeros((batch, *shape[1:2], ctx, *shape[3:]), dtype=dtype) for shapes in past_shapes for shape in shapes]
+    example = [ex_ids, ex_pos, *ex_past, *weights.values()]
+    dynamic = [{0: "batch_size", 1: "seq_len"}] * 2 + [{0: "batch_size", 2: "ctx_len"}] * len(ex_past) + [None] * len(weights)
+    with torch.no_grad(), torch.fx.traceback.preserve_node_meta():
+        gm = aten_graph(forward, example, dynamic, opset)
+    inputs = [("input", "input_ids"), ("input", "position_ids")] + [("past", i, j) for i, j in past_spec] + \
+        [("weight", n) for n in weight_names]
+    vocab = int(gm.graph.find_nodes(op="output")[0].args[0][0].meta["val"].shape[-1])
+    return _Trace(gm, inputs, recorded.get("stems", {}), len(past_shapes), vocab)
+
+
+def _offsets(past_shapes: Sequence[Sequence[Any]]) -> list[int]:
+    out, k = [], 0
+    for shapes in past_shapes:
+        out.append(k)
+        k += len(shapes)
+    return out
+
+
+# --- ONNX assembly ---------------------------------------------------------------------------
+
+
+def _io_names(trace: _Trace, layers: range, prefix: str | None) -> tuple[list[str], dict[tuple[int, int], str]]:
+    """The model's output names (logits, then every layer's retained outputs, prefixed) and
+    each (layer, j) cache's input name, derived from its output name."""
+    outputs = ["logits"]
+    for i in layers:
+        outputs += retained_state_names(trace.stems[0 if i not in trace.stems else i], i)
+    outputs = apply_kv_cache_prefix(outputs, prefix)
+    inputs_of = align_inputs_to_outputs(outputs)
+    past_name = {}
+    k = 1
+    for i in layers:
+        for j in range(len(trace.stems[0 if i not in trace.stems else i])):
+            past_name[(i, j)] = inputs_of[outputs[k]]
+            k += 1
+    return outputs, past_name
+
+
+def _name_dims(model: onnx.ModelProto) -> None:
+    """Symbolic dims get QEfficient's names: batch_size, seq_len, ctx_len."""
+    rename: dict[str, str] = {}
+    for value in model.graph.input:
+        dims = value.type.tensor_type.shape.dim
+        if value.name == "input_ids":
+            rename[dims[0].dim_param] = "batch_size"
+            rename[dims[1].dim_param] = "seq_len"
+        elif len(dims) == 4 and dims[2].dim_param:
+            rename[dims[2].dim_param] = "ctx_len"
+    for value in [*model.graph.input, *model.graph.output, *model.graph.value_info]:
+        for d in value.type.tensor_type.shape.dim:
+            if d.dim_param in rename:
+                d.dim_param = rename[d.dim_param]
+
+
+def _weight_initializers(model: onnx.ModelProto, weights: dict[str, torch.Tensor]) -> None:
+    """Graph inputs that are weights become initializers holding their values."""
+    from onnx import numpy_helper
+
+    keep = [v for v in model.graph.input if v.name not in weights]
+    used = {v.name for v in model.graph.input} & set(weights)
+    del model.graph.input[:]
+    model.graph.input.extend(keep)
+    for name in sorted(used):
+        t = weights[name]
+        if t.dtype == torch.bfloat16:
+            raise ExportError("bfloat16 weights cannot be stored yet; export in float32 or float16 (dtype=...)")
+        model.graph.initializer.append(numpy_helper.from_array(t.contiguous().numpy(), name=name))
+
+
+def _whole_model(trace: _Trace, prefix: str | None, opset: int) -> tuple[onnx.ModelProto, list[str]]:
+    from qaic_dynamo.lowering import finish_model, translate_aten
+
+    outputs, past_name = _io_names(trace, range(trace.num_layers), prefix)
+    names = [x[1] if x[0] != "past" else past_name[(x[1], x[2])] for x in trace.inputs]
+    try:
+        model = translate_aten(trace.gm, names, outputs, opset)
+    except Exception as e:
+        raise ExportError(f"the model could not be translated to ONNX: {e}") from e
+    return finish_model(model, opset, check=False), outputs
+
+
+def _block_of(node: fx.Node) -> int | None:
+    return node.meta.get("custom", {}).get(_BLOCK)
+
+
+def _layerwise(trace: _Trace, blocks_path: str, num_layers: int, prefix: str | None, opset: int,
+               weights: dict[str, torch.Tensor]) -> tuple[onnx.ModelProto, list[str]]:
+    """Cut the two-block trace into pre / block 0 / block 1 / post, check that the blocks
+    are one graph, translate pre, block and post once each, and stitch ``num_layers``
+    block instances into one model."""
+    from torch.fx.passes.split_module import split_module
+
+    from qaic_dynamo.lowering import finish_model, translate_aten
+
+    gm = trace.gm
+    order = {n: k for k, n in enumerate(gm.graph.nodes)}
+    first_block = min((order[n] for n in gm.graph.nodes if _block_of(n) is not None), default=None)
+    if first_block is None:
+        raise ExportError("layerwise export found no decoder-block nodes; export with layerwise=False")
+
+    def part(node: fx.Node) -> int:
+        b = _block_of(node)
+        if b is not None:
+            return b + 1
+        return 0 if order[node] < first_block else 3
+
+    try:
+        split = split_module(gm, gm, part, keep_original_order=True)
+    except Exception as e:
+        raise ExportError(f"the decoder blocks are not separable from the rest of the model ({e}); "
+                          "export with layerwise=False") from e
+    calls = {n.target: n for n in split.graph.nodes if n.op == "call_module"}
+    if set(calls) != {"submod_0", "submod_1", "submod_2", "submod_3"}:
+        raise ExportError(f"layerwise export expected pre / 2 blocks / post, got {sorted(calls)}; use layerwise=False")
+    sub = {k: getattr(split, k) for k in calls}
+    if _graph_signature(sub["submod_1"]) != _graph_signature(sub["submod_2"]):
+        raise ExportError("the decoder blocks differ structurally (e.g. per-layer attention types); "
+                          "export with layerwise=False")
+
+    # Where every value of the split graph comes from: a top-level input or (part, output index).
+    placeholder_kind = dict(zip([n for n in split.graph.nodes if n.op == "placeholder"], trace.inputs))
+
+    def source(arg: fx.Node) -> tuple:
+        if arg.op == "placeholder":
+            return ("in",) + tuple(placeholder_kind[arg])
+        if arg.op == "call_function" and arg.args and isinstance(arg.args[0], fx.Node) and arg.args[0].op == "call_module":
+            return ("out", arg.args[0].target, arg.args[1])
+        if arg.op == "call_module":
+            return ("out", arg.target, 0)
+        raise ExportError(f"layerwise export cannot follow value {arg.name}")
+
+    srcs = {k: [source(a) for a in calls[k].args] for k in calls}
+    n_out = {k: _num_outputs(sub[k]) for k in calls}
+
+    # Translate each part once; inside names are part-local, values are renamed on stitching.
+    def translate(k: str) -> onnx.ModelProto:
+        ins = [f"in{m}" for m in range(len(srcs[k]))]
+        outs = [f"out{m}" for m in range(n_out[k])]
+        _fill_output_meta(sub[k])
+        try:
+            return translate_aten(sub[k], ins, outs, opset)
+        except Exception as e:
+            raise ExportError(f"part {k} could not be translated to ONNX: {e}") from e
+
+    pre, block, post = translate("submod_0"), translate("submod_1"), translate("submod_3")
+
+    outputs, past_name = _io_names(trace, range(num_layers), prefix)
+    layer0 = f"{blocks_path}.0."
+
+    def layer_value(src: tuple, i: int, produced: dict[tuple, str]) -> str:
+        """The stitched model's value for a block-1-style source, for layer ``i``."""
+        if src[0] == "in":
+            kind = src[1]
+            if kind == "input":
+                return src[2]
+            if kind == "past":
+                return past_name[(i, src[3])]
+            name = src[2]
+            if name.startswith(f"{blocks_path}.1."):
+                return f"{blocks_path}.{i}." + name[len(f"{blocks_path}.1."):]
+            return name
+        return produced[src]
+
+    nodes: list[onnx.NodeProto] = []
+    initializers: list[onnx.TensorProto] = []
+    produced: dict[tuple, str] = {}
+
+    def emit(part_model: onnx.ModelProto, tag: str, inputs: list[str]) -> list[str]:
+        """Append ``part_model``'s nodes with values renamed under ``tag``; returns the
+        stitched names of its outputs."""
+        rename = {f"in{m}": v for m, v in enumerate(inputs)}
+        return _append_renamed(nodes, initializers, part_model.graph, tag, rename)
+
+    pre_out = emit(pre, "pre", [layer_value(s, 0, produced) for s in srcs["submod_0"]])
+    for m, v in enumerate(pre_out):
+        produced[("out", "submod_0", m)] = v
+    # Block 0 reads pre's outputs and layer-0 inputs; block 1 says which inputs chain from
+    # the previous block, which are shared, and which are per layer.
+    b0, b1 = srcs["submod_1"], srcs["submod_2"]
+    block_outs: list[list[str]] = []
+    for i in range(num_layers):
+        ins = []
+        for m, (s0, s1) in enumerate(zip(b0, b1)):
+            if s1[0] == "out" and s1[1] == "submod_1":  # chained: the previous block's output
+                ins.append(layer_value(s0, 0, produced) if i == 0 else block_outs[-1][s1[2]])
+            elif s0 == s1:  # shared by every layer
+                ins.append(layer_value(s0, i, produced))
+            elif s0[0] == "in" and s0[1] == "weight" and s0[2].startswith(layer0):
+                ins.append(f"{blocks_path}.{i}." + s0[2][len(layer0):])
+            elif s0[0] == "in" and s0[1] == "past" and s1[0] == "in" and s1[1] == "past" and s0[3] == s1[3]:
+                ins.append(past_name[(i, s0[3])])
+            else:
+                raise ExportError(f"block input {m} differs between layers in a way layerwise export cannot map "
+                                  f"({s0} vs {s1}); use layerwise=False")
+        block_outs.append(emit(block, f"layers.{i}", ins))
+    post_ins = []
+    for s in srcs["submod_3"]:
+        if s[0] == "out" and s[1] == "submod_2":  # the last block's output
+            post_ins.append(block_outs[-1][s[2]])
+        elif s[0] == "out" and s[1] == "submod_1":
+            raise ExportError("the model reads a non-final decoder block's output after the blocks; use layerwise=False")
+        else:
+            post_ins.append(layer_value(s, 0, produced))
+    post_out = emit(post, "post", post_ins)
+
+    # Outputs: logits from post, then each layer's caches at the block-output positions
+    # layer 0's caches had in the two-block trace.
+    top_src = [source(a) for a in split.graph.find_nodes(op="output")[0].args[0]]
+    if top_src[0][:2] != ("out", "submod_3"):
+        raise ExportError("the logits are not computed after the decoder blocks; use layerwise=False")
+    cache_idx = [s[2] for s in top_src[1:] if s[:2] == ("out", "submod_1")]
+    values = [post_out[top_src[0][2]]] + [block_outs[i][k] for i in range(num_layers) for k in cache_idx]
+    for value, name in zip(values, outputs):
+        nodes.append(onnx.helper.make_node("Identity", [value], [name], name=f"output/{name}"))
+
+    graph_inputs, graph_outputs = _stitched_io(past_name, outputs, post.graph.output[top_src[0][2]], pre, block, post, srcs)
+    graph = onnx.helper.make_graph(nodes, "main_graph", graph_inputs, graph_outputs, initializer=initializers)
+    model = onnx.helper.make_model(graph, opset_imports=list(block.opset_import), producer_name="qaic_dynamo")
+    model.functions.extend(block.functions)
+    return finish_model(model, opset, check=False), outputs
+
+
+def _stitched_io(past_name: dict[tuple[int, int], str], outputs: list[str], logits_vi: onnx.ValueInfoProto,
+                 pre: onnx.ModelProto, block: onnx.ModelProto, post: onnx.ModelProto, srcs: dict[str, list[tuple]]):
+    """Input and output ValueInfos of the stitched model, typed from the parts'."""
+    inputs = []
+    for name in ("input_ids", "position_ids"):
+        vi = next((part.graph.input[m] for part, key in ((pre, "submod_0"), (block, "submod_1"), (post, "submod_3"))
+                   for m, src in enumerate(srcs[key]) if src == ("in", "input", name)), None)
+        if vi is None:
+            raise ExportError(f"the model does not read {name}")
+        inputs.append(_renamed_vi(vi, name))
+    past_vi = {src[3]: block.graph.input[m] for m, src in enumerate(srcs["submod_1"]) if src[:2] == ("in", "past")}
+    inputs += [_renamed_vi(past_vi[j], name) for (i, j), name in past_name.items()]
+    outs = [_renamed_vi(logits_vi, "logits")]
+    outs += [_renamed_vi(_vi_for_output(name, past_name, past_vi), name) for name in outputs[1:]]
+    return inputs, outs
+
+
+def _vi_for_output(name: str, past_name: dict[tuple[int, int], str], past_vi: dict[int, Any]) -> Any:
+    base = name[: -len(RETAINED_STATE_SUFFIX)]
+    for (i, j), n in past_name.items():
+        if n == base:
+            return past_vi[j]
+    raise ExportError(f"output {name} pairs with no input")
+
+
+def _renamed_vi(vi: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
+    out = onnx.ValueInfoProto()
+    out.CopyFrom(vi)
+    out.name = name
+    return out
+
+
+def _append_renamed(nodes: list, initializers: list, g: onnx.GraphProto, tag: str, rename: dict[str, str]) -> list[str]:
+    """Copy ``g``'s nodes (and constants) into ``nodes``, every value renamed to
+    ``tag/name`` unless ``rename`` maps it (the part's inputs)."""
+    def name_of(v: str) -> str:
+        if not v:
+            return v
+        return rename.get(v, f"{tag}/{v}")
+
+    for init in g.initializer:
+        t = onnx.TensorProto()
+        t.CopyFrom(init)
+        t.name = name_of(init.name)
+        initializers.append(t)
+    for n in g.node:
+        c = onnx.NodeProto()
+        c.CopyFrom(n)
+        del c.input[:]
+        c.input.extend(name_of(v) for v in n.input)
+        del c.output[:]
+        c.output.extend(name_of(v) for v in n.output)
+        c.name = f"{tag}/{n.name}" if n.name else ""
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
+            raise ExportError(f"layerwise stitching does not handle control flow ({n.op_type}); use layerwise=False")
+        nodes.append(c)
+    return [name_of(o.name) for o in g.output]
+
+
+def _graph_signature(gm: fx.GraphModule) -> list[tuple]:
+    """A block graph's structure without its node names: op, target and arguments by
+    position (placeholders by index)."""
+    index = {n: k for k, n in enumerate(gm.graph.nodes)}
+
+    def norm(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return ("node", index[a])
+        if isinstance(a, (list, tuple)):
+            return tuple(norm(x) for x in a)
+        if isinstance(a, dict):
+            return tuple(sorted((k, norm(v)) for k, v in a.items()))
+        return repr(a)
+
+    return [(n.op, str(n.target) if n.op != "placeholder" else "", norm(n.args), norm(n.kwargs)) for n in gm.graph.nodes]
+
+
+def _num_outputs(gm: fx.GraphModule) -> int:
+    out = gm.graph.find_nodes(op="output")[0].args[0]
+    return len(out) if isinstance(out, (tuple, list)) else 1
+
+
+def _fill_output_meta(gm: fx.GraphModule) -> None:
+    """split_module's parts return a single value bare; the translator wants a tuple."""
+    out = gm.graph.find_nodes(op="output")[0]
+    if not isinstance(out.args[0], (tuple, list)):
+        out.args = ((out.args[0],),)
+        gm.recompile()
+
+
+# --- compiler inputs ---------------------------------------------------------------------------
+
+
+def custom_io_yaml(output_names: Sequence[str], precision: str = "float16") -> str:
+    """``custom_io.yaml``: every KV input paired with its ``_RetainedState`` output, at
+    ``precision`` (float16 by default; mxint8 for the KV)."""
+    if precision not in KV_PRECISIONS:
+        raise ExportError(f"kv_precision must be one of {KV_PRECISIONS}, got {precision!r}")
+    lines = []
+    for out, inp in align_inputs_to_outputs(output_names).items():
+        lines += [f"- IOName: {inp}", f"  Precision: {precision}", "", f"- IOName: {out}", f"  Precision: {precision}", ""]
+    return "\n".join(lines)
+
+
+def specializations(options: ExportOptions) -> dict[str, Any]:
+    """``specializations.json``: a Prefill and a Decode entry."""
+    def entry(name: str, batch: int, seq: int) -> dict[str, Any]:
+        return {"name": name, "symbols": {"batch_size": str(batch), "seq_len": str(seq), "ctx_len": str(options.ctx_len)}}
+
+    return {"specializations": [entry("Prefill", 1, options.prefill_seq_len),
+                                entry("Decode", options.batch_size, 1)]}
+
+
+def compile_command(onnx_path: Path, qpc_dir: Path, custom_io: Path, specs: Path, options: ExportOptions,
+                    compiler: Path | None = None) -> list[str]:
+    """The ``qaic-compile`` command line, as a list: the runtime's (one builder for both)."""
+    from qaic_dynamo.runtime import qaic_compile_command
+
+    return qaic_compile_command(onnx_path.parent, qpc_dir, num_cores=options.num_cores, custom_io=custom_io,
+                                specializations=specs, extra=dict(options.compiler_options), compiler=compiler)
+
+
+# --- the entry point -----------------------------------------------------------------------------
+
+
+@dataclass
+class ExportResult:
+    """What :func:`export_for_qaic` wrote."""
+
+    onnx_path: Path
+    input_names: list[str]
+    output_names: list[str]
+    custom_io_path: Path
+    specializations_path: Path
+    compile_command: list[str]
+    export_dir: Path
+    qpc_dir: Path
+    #: True if qaic-compile ran (and succeeded); False: validated on ONNX Runtime only.
+    compiled: bool
+    layerwise: bool
+    num_layers: int
+    #: trace, translate (stitch included), weights (writing them), check, total.
+    seconds: dict[str, float]
+    compile_log: Path | None = None
+
+    def summary(self) -> str:
+        lines = [
+            f"onnx              {self.onnx_path}",
+            f"custom_io         {self.custom_io_path}",
+            f"specializations   {self.specializations_path}",
+            f"inputs            {', '.join(self.input_names[:6])}{' ...' if len(self.input_names) > 6 else ''} "
+            f"({len(self.input_names)})",
+            f"outputs           {', '.join(self.output_names[:5])}{' ...' if len(self.output_names) > 5 else ''} "
+            f"({len(self.output_names)})",
+            f"layers            {self.num_layers} ({'layerwise: one block lowered, stitched' if self.layerwise else 'whole model'})",
+            "seconds           " + ", ".join(f"{k} {v:.2f}" for k, v in self.seconds.items()),
+        ]
+        if self.compiled:
+            lines.append(f"qaic-compile      ran: {self.qpc_dir} (log {self.compile_log})")
+        else:
+            lines.append(f"qaic-compile      not found: command written to {self.export_dir / 'compile.sh'}; "
+                         "the model was validated on ONNX Runtime only")
+        return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _first_blocks(model: nn.Module, path: str, n: int) -> Iterator[nn.ModuleList]:
+    """Temporarily leave only the first ``n`` blocks of the list at ``path``, annotated
+    so that the trace marks every node a block creates with its index."""
+    parent_path, _, attr = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    full = getattr(parent, attr)
+    short = nn.ModuleList(list(full)[:n])
+    stacks: dict[int, contextlib.ExitStack] = {}
+    handles = []
+    for i, block in enumerate(short):
+        def pre(mod: nn.Module, args: Any, i: int = i) -> None:
+            stacks[i] = contextlib.ExitStack()
+            stacks[i].enter_context(torch.fx.traceback.annotate({_BLOCK: i}))
+
+        def post(mod: nn.Module, args: Any, out: Any, i: int = i) -> None:
+            stacks.pop(i).close()
+
+        handles += [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
+    setattr(parent, attr, short)
+    try:
+        yield full
+    finally:
+        setattr(parent, attr, full)
+        for h in handles:
+            h.remove()
+
+
+def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int = 1, prefill_seq_len: int = 32,
+                    ctx_len: int = 128, kv_cache_prefix: str | None = None, layerwise: bool = True,
+                    progress: Callable[[str], None] | None = None, run_compiler: bool = True,
+                    **options: Any) -> ExportResult:
+    """Export ``model`` for a Cloud AI 100 card into ``out_dir/<hash>/``.
+
+    ``model``: what ``LLM`` takes (a transformers causal LM, a local model directory, a
+    reference model or its name). ``options``: the rest of :class:`ExportOptions`
+    (``kv_precision``, ``num_cores``, ``compiler_options``, ``opset``). ``progress`` is
+    called with a short message per stage. Raises ExportError for bad options or a model
+    that cannot be exported.
+    """
+    opts = ExportOptions.from_options(batch_size=batch_size, prefill_seq_len=prefill_seq_len, ctx_len=ctx_len,
+                                      kv_cache_prefix=kv_cache_prefix, layerwise=layerwise, **options)
+    say = progress or (lambda msg: None)
+    t_start = time.perf_counter()
+    engine_model = _engine_model(model)
+    layer_names = list(engine_model.kv_cache_layers)
+    shapes = engine_model.kv_cache_shapes(opts.batch_size, opts.ctx_len)
+    past_shapes = [shapes[n] for n in layer_names]
+    dtype = next(engine_model.parameters()).dtype
+    weights = _weights(engine_model)
+    digest = opts.compute_hash(_identity(engine_model))
+    export_dir = Path(out_dir) / digest
+    export_dir.mkdir(parents=True, exist_ok=True)
+    seconds: dict[str, float] = {}
+
+    t0 = time.perf_counter()
+    if opts.layerwise:
+        from qaic_dynamo.regions import find_repeated_blocks
+
+        blocks = [(p, lst) for p, lst in find_repeated_blocks(engine_model) if len(lst) == len(layer_names)]
+        if not blocks:
+            raise ExportError(f"{type(engine_model).__name__} has no list of {len(layer_names)} decoder blocks; "
+                              "export with layerwise=False")
+        path, _ = blocks[0]
+        n = min(2, len(layer_names))
+        say(f"tracing {n} of {len(layer_names)} decoder blocks")
+        with _first_blocks(engine_model, path, n):
+            trace = _trace(engine_model, layer_names[:n], past_shapes[:n], dtype, opts.opset)
+        seconds["trace"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        say(f"stitching {len(layer_names)} layers")
+        if n == 1:
+            trace.num_layers = 1
+            model_proto, outputs = _whole_model(trace, opts.kv_cache_prefix, opts.opset)
+        else:
+            model_proto, outputs = _layerwise(trace, path, len(layer_names), opts.kv_cache_prefix, opts.opset, weights)
+    else:
+        say(f"tracing all {len(layer_names)} layers")
+        trace = _trace(engine_model, layer_names, past_shapes, dtype, opts.opset)
+        seconds["trace"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model_proto, outputs = _whole_model(trace, opts.kv_cache_prefix, opts.opset)
+    _name_dims(model_proto)
+    seconds["translate"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    say("writing weights")
+    _weight_initializers(model_proto, weights)
+    onnx_path = export_dir / ONNX_NAME
+    for stale in (onnx_path, export_dir / DATA_NAME):
+        stale.unlink(missing_ok=True)
+    onnx.save_model(model_proto, str(onnx_path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=DATA_NAME, size_threshold=0)
+    seconds["weights"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    try:
+        onnx.checker.check_model(str(onnx_path), full_check=True)
+    except Exception as e:
+        raise ExportError(f"the exported model fails onnx.checker: {e}") from e
+    seconds["check"] = time.perf_counter() - t0
+
+    inputs = [i.name for i in onnx.load(str(onnx_path), load_external_data=False).graph.input]
+    custom_io = export_dir / "custom_io.yaml"
+    custom_io.write_text(custom_io_yaml(outputs, opts.kv_precision))
+    specs_path = export_dir / "specializations.json"
+    specs = specializations(opts)
+    specs_path.write_text(json.dumps(specs, indent=2) + "\n")
+    from qaic_dynamo.config import qaic_compiler_path
+
+    compiler = qaic_compiler_path()
+    probe = compile_command(onnx_path, Path("qpc"), custom_io, specs_path, opts, compiler)
+    qpc_hash = hashlib.sha256(json.dumps({"command": probe, "specializations": specs,
+                                          "custom_io": custom_io.read_text()}, sort_keys=True).encode()).hexdigest()[:16]
+    qpc_dir = export_dir / f"qpc-{qpc_hash}"
+    cmd = compile_command(onnx_path, qpc_dir, custom_io, specs_path, opts, compiler)
+    (export_dir / "export_params.json").write_text(json.dumps(
+        {"hash": digest, "options": opts.as_dict(), "model": _identity(engine_model),
+         "compile": {"hash": qpc_hash, "command": cmd}}, indent=2, sort_keys=True, default=str) + "\n")
+    compiled, log = False, None
+    if run_compiler and compiler.exists() and os.access(compiler, os.X_OK):
+        say("running qaic-compile")
+        qpc_dir.mkdir(parents=True, exist_ok=True)
+        log = qpc_dir / "compile.log"
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        log.write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            raise ExportError(f"qaic-compile failed ({proc.returncode}); see {log}")
+        compiled = True
+    else:
+        (export_dir / "compile.sh").write_text("#!/bin/sh\n# qaic-compile was not found here; run this where the "
+                                               "Qualcomm Cloud AI SDK is installed.\n" + shlex_join(cmd) + "\n")
+    seconds["total"] = time.perf_counter() - t_start
+    return ExportResult(onnx_path, inputs, outputs, custom_io, specs_path, cmd, export_dir, qpc_dir, compiled,
+                        opts.layerwise, len(layer_names), seconds, log)
+
+
+def shlex_join(cmd: Sequence[str]) -> str:
+    import shlex
+
+    return shlex.join(cmd)
+
+
+# --- running the artifact on ONNX Runtime (validation) ------------------------------------------
+
+
+def ort_generate(onnx_path: str | os.PathLike, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 prefill_seq_len: int, num_threads: int | None = None) -> tuple[list[list[int]], list[Any]]:
+    """Greedy generation with an exported model on ONNX Runtime, the retained-state way:
+    each prompt is prefilled alone in chunks of ``prefill_seq_len`` (padding has
+    position -1), then all prompts decode together as one batch; every call's
+    ``*_RetainedState`` outputs are fed back as the next call's inputs. Returns the new
+    tokens per prompt and the logits [batch, vocab] of every decode step (numpy)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    if num_threads:
+        opts.intra_op_num_threads = num_threads
+    sess = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
+    past_inputs = [i for i in sess.get_inputs() if i.name not in ("input_ids", "position_ids")]
+    outputs = [o.name for o in sess.get_outputs()]
+    ctx_len = next(int(d) for i in past_inputs for d in [i.shape[2]] if isinstance(d, int)) if all(
+        isinstance(i.shape[2], int) for i in past_inputs) else None
+
+    def empty(batch: int, ctx: int) -> dict[str, Any]:
+        return {i.name: np.zeros([batch, i.shape[1], ctx, i.shape[3]], dtype=np.float32) for i in past_inputs}
+
+    def step(ids: Any, pos: Any, past: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        res = sess.run(outputs, {"input_ids": ids, "position_ids": pos, **past})
+        new = {name[: -len(RETAINED_STATE_SUFFIX)]: v for name, v in zip(outputs[1:], res[1:])}
+        return res[0][:, 0], new
+
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    ctx = ctx_len or longest
+    if longest > ctx:
+        raise ExportError(f"prompt + new tokens ({longest}) exceed the model's ctx_len ({ctx})")
+    rows, firsts = [], []
+    for prompt in prompts:
+        past = empty(1, ctx)
+        for start in range(0, len(prompt), prefill_seq_len):
+            chunk = list(prompt[start: start + prefill_seq_len])
+            pad = prefill_seq_len - len(chunk)
+            ids = np.array([chunk + [0] * pad], dtype=np.int64)
+            pos = np.array([list(range(start, start + len(chunk))) + [-1] * pad], dtype=np.int64)
+            logits, past = step(ids, pos, past)
+        rows.append(past)
+        firsts.append(int(logits[0].argmax()))
+    past = {name: np.concatenate([r[name] for r in rows]) for name in rows[0]}
+    tokens = [[t] for t in firsts]
+    all_logits = []
+    lengths = [len(p) for p in prompts]
+    for k in range(1, max_new_tokens):
+        ids = np.array([[t[-1]] for t in tokens], dtype=np.int64)
+        pos = np.array([[n + k - 1] for n in lengths], dtype=np.int64)
+        logits, past = step(ids, pos, past)
+        all_logits.append(logits)
+        for t, row in zip(tokens, logits):
+            t.append(int(row.argmax()))
+    return tokens, all_logits
