@@ -420,13 +420,13 @@ def _io_names(trace: _Trace, layers: range, prefix: str | None) -> tuple[list[st
     each (layer, j) cache's input name, derived from its output name."""
     outputs = ["logits"]
     for i in layers:
-        outputs += retained_state_names(trace.stems[0 if i not in trace.stems else i], i)
+        outputs += retained_state_names(trace.stems.get(i, trace.stems[max(trace.stems)]), i)
     outputs = apply_kv_cache_prefix(outputs, prefix)
     inputs_of = align_inputs_to_outputs(outputs)
     past_name = {}
     k = 1
     for i in layers:
-        for j in range(len(trace.stems[0 if i not in trace.stems else i])):
+        for j in range(len(trace.stems.get(i, trace.stems[max(trace.stems)]))):
             past_name[(i, j)] = inputs_of[outputs[k]]
             k += 1
     return outputs, past_name
@@ -449,11 +449,13 @@ def _name_dims(model: onnx.ModelProto) -> None:
 
 
 def _weight_initializers(model: onnx.ModelProto, weights: dict[str, torch.Tensor]) -> None:
-    """Graph inputs that are weights become initializers holding their values."""
+    """Weights (graph inputs, or names the stitched nodes read) become initializers
+    holding their values."""
     from onnx import numpy_helper
 
     keep = [v for v in model.graph.input if v.name not in weights]
-    used = {v.name for v in model.graph.input} & set(weights)
+    # Whole-model exports name them as inputs; stitched ones only reference them.
+    used = ({v.name for v in model.graph.input} | {x for n in model.graph.node for x in n.input}) & set(weights)
     del model.graph.input[:]
     model.graph.input.extend(keep)
     for name in sorted(used):
@@ -479,11 +481,15 @@ def _block_of(node: fx.Node) -> int | None:
     return node.meta.get("custom", {}).get(_BLOCK)
 
 
-def _layerwise(trace: _Trace, blocks_path: str, num_layers: int, prefix: str | None, opset: int,
-               weights: dict[str, torch.Tensor]) -> tuple[onnx.ModelProto, list[str]]:
-    """Cut the two-block trace into pre / block 0 / block 1 / post, check that the blocks
-    are one graph, translate pre, block and post once each, and stitch ``num_layers``
-    block instances into one model."""
+def _layerwise(trace: _Trace, blocks_path: str, num_layers: int, prefix: str | None, opset: int) -> tuple[onnx.ModelProto, list[str]]:
+    """Cut the three-block trace into pre / block 0 / block 1 / block 2 / post, check that
+    blocks 1 and 2 are one graph, translate pre, block 0, block 1 and post once each, and
+    stitch block 0 plus ``num_layers - 1`` instances of block 1 into one model.
+
+    Block 0 is its own part because a first layer may differ from the rest (vLLM-style
+    layers start the residual stream there), as the backend's first piece does; blocks 1
+    and 2 say which block inputs chain from the previous block, which are shared, and
+    which are per layer (weights, caches)."""
     from torch.fx.passes.split_module import split_module
 
     from qaic_dynamo.lowering import finish_model, translate_aten
@@ -498,7 +504,7 @@ def _layerwise(trace: _Trace, blocks_path: str, num_layers: int, prefix: str | N
         b = _block_of(node)
         if b is not None:
             return b + 1
-        return 0 if order[node] < first_block else 3
+        return 0 if order[node] < first_block else 4
 
     try:
         split = split_module(gm, gm, part, keep_original_order=True)
@@ -506,17 +512,18 @@ def _layerwise(trace: _Trace, blocks_path: str, num_layers: int, prefix: str | N
         raise ExportError(f"the decoder blocks are not separable from the rest of the model ({e}); "
                           "export with layerwise=False") from e
     calls = {n.target: n for n in split.graph.nodes if n.op == "call_module"}
-    if set(calls) != {"submod_0", "submod_1", "submod_2", "submod_3"}:
-        raise ExportError(f"layerwise export expected pre / 2 blocks / post, got {sorted(calls)}; use layerwise=False")
+    PRE, B0, B1, B2, POST = (f"submod_{k}" for k in range(5))
+    if set(calls) != {PRE, B0, B1, B2, POST}:
+        raise ExportError(f"layerwise export expected pre / 3 blocks / post, got {sorted(calls)}; use layerwise=False")
     sub = {k: getattr(split, k) for k in calls}
-    if _graph_signature(sub["submod_1"]) != _graph_signature(sub["submod_2"]):
-        raise ExportError("the decoder blocks differ structurally (e.g. per-layer attention types); "
+    if _graph_signature(sub[B1]) != _graph_signature(sub[B2]):
+        raise ExportError("the decoder blocks differ structurally (e.g. per-layer attention types or windows); "
                           "export with layerwise=False")
 
-    # Where every value of the split graph comes from: a top-level input or (part, output index).
     placeholder_kind = dict(zip([n for n in split.graph.nodes if n.op == "placeholder"], trace.inputs))
 
     def source(arg: fx.Node) -> tuple:
+        """("in", kind, ...) for a top-level input, ("out", part, index) for a part's output."""
         if arg.op == "placeholder":
             return ("in",) + tuple(placeholder_kind[arg])
         if arg.op == "call_function" and arg.args and isinstance(arg.args[0], fx.Node) and arg.args[0].op == "call_module":
@@ -526,119 +533,92 @@ def _layerwise(trace: _Trace, blocks_path: str, num_layers: int, prefix: str | N
         raise ExportError(f"layerwise export cannot follow value {arg.name}")
 
     srcs = {k: [source(a) for a in calls[k].args] for k in calls}
-    n_out = {k: _num_outputs(sub[k]) for k in calls}
 
-    # Translate each part once; inside names are part-local, values are renamed on stitching.
     def translate(k: str) -> onnx.ModelProto:
-        ins = [f"in{m}" for m in range(len(srcs[k]))]
-        outs = [f"out{m}" for m in range(n_out[k])]
         _fill_output_meta(sub[k])
+        ins = [f"in{m}" for m in range(len(srcs[k]))]
+        outs = [f"out{m}" for m in range(_num_outputs(sub[k]))]
         try:
-            return translate_aten(sub[k], ins, outs, opset)
+            # Finished (onnxscript helpers inlined) so the stitched model needs only the
+            # qaic functions, which finish_model attaches once at the end.
+            part_model = finish_model(translate_aten(sub[k], ins, outs, opset), opset, check=False)
         except Exception as e:
             raise ExportError(f"part {k} could not be translated to ONNX: {e}") from e
+        del part_model.functions[:]
+        return part_model
 
-    pre, block, post = translate("submod_0"), translate("submod_1"), translate("submod_3")
-
+    parts = {k: translate(k) for k in (PRE, B0, B1, POST)}
     outputs, past_name = _io_names(trace, range(num_layers), prefix)
-    layer0 = f"{blocks_path}.0."
-
-    def layer_value(src: tuple, i: int, produced: dict[tuple, str]) -> str:
-        """The stitched model's value for a block-1-style source, for layer ``i``."""
-        if src[0] == "in":
-            kind = src[1]
-            if kind == "input":
-                return src[2]
-            if kind == "past":
-                return past_name[(i, src[3])]
-            name = src[2]
-            if name.startswith(f"{blocks_path}.1."):
-                return f"{blocks_path}.{i}." + name[len(f"{blocks_path}.1."):]
-            return name
-        return produced[src]
-
     nodes: list[onnx.NodeProto] = []
     initializers: list[onnx.TensorProto] = []
-    produced: dict[tuple, str] = {}
+    emitted: dict[str, list[str]] = {}
 
-    def emit(part_model: onnx.ModelProto, tag: str, inputs: list[str]) -> list[str]:
-        """Append ``part_model``'s nodes with values renamed under ``tag``; returns the
-        stitched names of its outputs."""
-        rename = {f"in{m}": v for m, v in enumerate(inputs)}
-        return _append_renamed(nodes, initializers, part_model.graph, tag, rename)
+    def value(src: tuple, layer: int) -> str:
+        """The stitched value of a source as seen by ``layer`` (top-level inputs only
+        depend on the layer for caches)."""
+        if src[0] == "out":
+            return emitted[src[1]][src[2]]
+        if src[1] == "past":
+            return past_name[(layer, src[3])]
+        return src[2]  # input_ids / position_ids / a weight by its qualified name
 
-    pre_out = emit(pre, "pre", [layer_value(s, 0, produced) for s in srcs["submod_0"]])
-    for m, v in enumerate(pre_out):
-        produced[("out", "submod_0", m)] = v
-    # Block 0 reads pre's outputs and layer-0 inputs; block 1 says which inputs chain from
-    # the previous block, which are shared, and which are per layer.
-    b0, b1 = srcs["submod_1"], srcs["submod_2"]
-    block_outs: list[list[str]] = []
-    for i in range(num_layers):
+    def emit(k: str, tag: str, inputs: list[str]) -> list[str]:
+        return _append_renamed(nodes, initializers, parts[k].graph, tag, {f"in{m}": v for m, v in enumerate(inputs)})
+
+    emitted[PRE] = emit(PRE, "pre", [value(s, 0) for s in srcs[PRE]])
+    emitted[B0] = emit(B0, "layers.0", [value(s, 0) for s in srcs[B0]])
+    one, two = f"{blocks_path}.1.", f"{blocks_path}.2."
+    prev = emitted[B0]
+    block_outs = [prev]
+    for i in range(1, num_layers):
         ins = []
-        for m, (s0, s1) in enumerate(zip(b0, b1)):
-            if s1[0] == "out" and s1[1] == "submod_1":  # chained: the previous block's output
-                ins.append(layer_value(s0, 0, produced) if i == 0 else block_outs[-1][s1[2]])
-            elif s0 == s1:  # shared by every layer
-                ins.append(layer_value(s0, i, produced))
-            elif s0[0] == "in" and s0[1] == "weight" and s0[2].startswith(layer0):
-                ins.append(f"{blocks_path}.{i}." + s0[2][len(layer0):])
-            elif s0[0] == "in" and s0[1] == "past" and s1[0] == "in" and s1[1] == "past" and s0[3] == s1[3]:
-                ins.append(past_name[(i, s0[3])])
+        for m, (s1, s2) in enumerate(zip(srcs[B1], srcs[B2])):
+            if s2[:2] == ("out", B1):  # chained: the previous block's output
+                ins.append(value(s1, i) if i == 1 else prev[s2[2]])
+            elif s1 == s2:  # shared by every layer
+                ins.append(value(s1, i))
+            elif s1[:2] == ("in", "weight") and s2[:2] == ("in", "weight") and s1[2].startswith(one) \
+                    and s2[2] == two + s1[2][len(one):]:
+                ins.append(f"{blocks_path}.{i}." + s1[2][len(one):])
+            elif s1[:2] == ("in", "past") and s2[:2] == ("in", "past") and s1[3] == s2[3]:
+                ins.append(past_name[(i, s1[3])])
             else:
                 raise ExportError(f"block input {m} differs between layers in a way layerwise export cannot map "
-                                  f"({s0} vs {s1}); use layerwise=False")
-        block_outs.append(emit(block, f"layers.{i}", ins))
-    post_ins = []
-    for s in srcs["submod_3"]:
-        if s[0] == "out" and s[1] == "submod_2":  # the last block's output
-            post_ins.append(block_outs[-1][s[2]])
-        elif s[0] == "out" and s[1] == "submod_1":
-            raise ExportError("the model reads a non-final decoder block's output after the blocks; use layerwise=False")
-        else:
-            post_ins.append(layer_value(s, 0, produced))
-    post_out = emit(post, "post", post_ins)
+                                  f"({s1} vs {s2}); use layerwise=False")
+        prev = emit(B1, f"layers.{i}", ins)
+        block_outs.append(prev)
+    emitted[B2] = prev  # post reads the last block's outputs
+    if any(s[:2] in (("out", B0), ("out", B1)) for s in srcs[POST]):
+        raise ExportError("the model reads a non-final decoder block's output after the blocks; use layerwise=False")
+    emitted[POST] = emit(POST, "post", [value(s, 0) for s in srcs[POST]])
 
-    # Outputs: logits from post, then each layer's caches at the block-output positions
-    # layer 0's caches had in the two-block trace.
-    top_src = [source(a) for a in split.graph.find_nodes(op="output")[0].args[0]]
-    if top_src[0][:2] != ("out", "submod_3"):
+    # Outputs: logits from post, then each layer's caches at the output positions its
+    # block kind had in the trace (layer 0: block 0's, the others: block 1's).
+    top = [source(a) for a in split.graph.find_nodes(op="output")[0].args[0]]
+    if top[0][:2] != ("out", POST):
         raise ExportError("the logits are not computed after the decoder blocks; use layerwise=False")
-    cache_idx = [s[2] for s in top_src[1:] if s[:2] == ("out", "submod_1")]
-    values = [post_out[top_src[0][2]]] + [block_outs[i][k] for i in range(num_layers) for k in cache_idx]
-    for value, name in zip(values, outputs):
-        nodes.append(onnx.helper.make_node("Identity", [value], [name], name=f"output/{name}"))
+    idx0 = [s[2] for s in top[1:] if s[:2] == ("out", B0)]
+    idx1 = [s[2] for s in top[1:] if s[:2] == ("out", B1)]
+    values = [emitted[POST][top[0][2]]] + [block_outs[i][k] for i in range(num_layers) for k in (idx0 if i == 0 else idx1)]
+    for v, name in zip(values, outputs):
+        nodes.append(onnx.helper.make_node("Identity", [v], [name], name=f"output/{name}"))
 
-    graph_inputs, graph_outputs = _stitched_io(past_name, outputs, post.graph.output[top_src[0][2]], pre, block, post, srcs)
-    graph = onnx.helper.make_graph(nodes, "main_graph", graph_inputs, graph_outputs, initializer=initializers)
-    model = onnx.helper.make_model(graph, opset_imports=list(block.opset_import), producer_name="qaic_dynamo")
-    model.functions.extend(block.functions)
-    return finish_model(model, opset, check=False), outputs
-
-
-def _stitched_io(past_name: dict[tuple[int, int], str], outputs: list[str], logits_vi: onnx.ValueInfoProto,
-                 pre: onnx.ModelProto, block: onnx.ModelProto, post: onnx.ModelProto, srcs: dict[str, list[tuple]]):
-    """Input and output ValueInfos of the stitched model, typed from the parts'."""
-    inputs = []
+    past_vi = {src[3]: parts[B1].graph.input[m] for m, src in enumerate(srcs[B1]) if src[:2] == ("in", "past")}
+    graph_inputs = []
     for name in ("input_ids", "position_ids"):
-        vi = next((part.graph.input[m] for part, key in ((pre, "submod_0"), (block, "submod_1"), (post, "submod_3"))
-                   for m, src in enumerate(srcs[key]) if src == ("in", "input", name)), None)
+        vi = next((parts[k].graph.input[m] for k in (PRE, B0, B1, POST) for m, s in enumerate(srcs[k])
+                   if s == ("in", "input", name)), None)
         if vi is None:
             raise ExportError(f"the model does not read {name}")
-        inputs.append(_renamed_vi(vi, name))
-    past_vi = {src[3]: block.graph.input[m] for m, src in enumerate(srcs["submod_1"]) if src[:2] == ("in", "past")}
-    inputs += [_renamed_vi(past_vi[j], name) for (i, j), name in past_name.items()]
-    outs = [_renamed_vi(logits_vi, "logits")]
-    outs += [_renamed_vi(_vi_for_output(name, past_name, past_vi), name) for name in outputs[1:]]
-    return inputs, outs
-
-
-def _vi_for_output(name: str, past_name: dict[tuple[int, int], str], past_vi: dict[int, Any]) -> Any:
-    base = name[: -len(RETAINED_STATE_SUFFIX)]
-    for (i, j), n in past_name.items():
-        if n == base:
-            return past_vi[j]
-    raise ExportError(f"output {name} pairs with no input")
+        graph_inputs.append(_renamed_vi(vi, name))
+    graph_inputs += [_renamed_vi(past_vi[j], name) for (i, j), name in past_name.items()]
+    inputs_of = align_inputs_to_outputs(outputs)
+    by_input = {n: j for (i, j), n in past_name.items()}
+    graph_outputs = [_renamed_vi(parts[POST].graph.output[top[0][2]], "logits")]
+    graph_outputs += [_renamed_vi(past_vi[by_input[inputs_of[name]]], name) for name in outputs[1:]]
+    graph = onnx.helper.make_graph(nodes, "main_graph", graph_inputs, graph_outputs, initializer=initializers)
+    model = onnx.helper.make_model(graph, opset_imports=list(parts[B1].opset_import), producer_name="qaic_dynamo")
+    return finish_model(model, opset, check=False), outputs
 
 
 def _renamed_vi(vi: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
@@ -844,18 +824,19 @@ def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int =
             raise ExportError(f"{type(engine_model).__name__} has no list of {len(layer_names)} decoder blocks; "
                               "export with layerwise=False")
         path, _ = blocks[0]
-        n = min(2, len(layer_names))
+        # Three blocks: a first (it may differ) and two that must be the same graph. Up to
+        # three layers that is the whole model anyway.
+        n = min(3, len(layer_names))
         say(f"tracing {n} of {len(layer_names)} decoder blocks")
         with _first_blocks(engine_model, path, n):
             trace = _trace(engine_model, layer_names[:n], past_shapes[:n], dtype, opts.opset)
         seconds["trace"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         say(f"stitching {len(layer_names)} layers")
-        if n == 1:
-            trace.num_layers = 1
+        if n == len(layer_names):
             model_proto, outputs = _whole_model(trace, opts.kv_cache_prefix, opts.opset)
         else:
-            model_proto, outputs = _layerwise(trace, path, len(layer_names), opts.kv_cache_prefix, opts.opset, weights)
+            model_proto, outputs = _layerwise(trace, path, len(layer_names), opts.kv_cache_prefix, opts.opset)
     else:
         say(f"tracing all {len(layer_names)} layers")
         trace = _trace(engine_model, layer_names, past_shapes, dtype, opts.opset)

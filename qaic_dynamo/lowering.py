@@ -620,7 +620,10 @@ def aten_graph(
         # A few decompositions (rms_norm's) write in place; ONNX has no mutation. The
         # second trace is of an aten graph with no decompositions left, so it is cheap.
         if any(_is_mutation(n) for n in gm.graph.nodes):
-            gm = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="fake")(*fakes)
+            # Through an Interpreter, so node annotations (preserve_node_meta) carry over.
+            first = gm
+            gm = make_fx(torch.func.functionalize(lambda *a: fx.Interpreter(first).run(*a), remove="mutations"),
+                         tracing_mode="fake")(*fakes)
         internals.fx_passes.insert_type_promotion_nodes(gm)
         internals.fx_passes.remove_assertion_nodes(gm)
     # The trace ran in a private shape env whose guards are dropped: if it specialised a
