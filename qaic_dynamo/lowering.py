@@ -657,6 +657,9 @@ def _expand_sym_numel(gm: fx.GraphModule) -> None:
                 size.meta["val"] = x.meta["val"].shape[d]
                 product = size if product is None else gm.graph.call_function(operator.mul, (product, size))
                 product.meta["val"] = size.meta["val"] if product is size else product.args[0].meta["val"] * size.meta["val"]
+                for new in (size, product):  # keep the replaced node's annotations (export's block tags)
+                    if "custom" in node.meta:
+                        new.meta["custom"] = node.meta["custom"]
             if product is None:  # a 0-d tensor holds one element
                 product = 1
         node.replace_all_uses_with(product)
