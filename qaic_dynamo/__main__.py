@@ -2,6 +2,8 @@
 
     qaic-dynamo demo [--compare] [...]      compile a transformer, compare with eager
     qaic-dynamo cache info|list|clear       inspect or empty the persistent compile cache
+    qaic-dynamo export --model M --out DIR  export M for a Cloud AI 100 card (retained-state
+                                            ONNX, custom_io.yaml, specializations.json)
 """
 
 from __future__ import annotations
@@ -49,6 +51,92 @@ def cache_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama",
+                   help="llama | qwen2 | mistral | mla (built-in configs, random weights) or a local model directory")
+    p.add_argument("--out", required=True, help="output root; the export goes to OUT/<hash>/")
+    p.add_argument("--layers", type=int, default=None, help="built-in models: number of layers (default 16)")
+    p.add_argument("--hidden-size", type=int, default=None, help="built-in models: hidden size (default 512)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=1, help="decode batch size")
+    p.add_argument("--prefill-seq-len", type=int, default=32)
+    p.add_argument("--ctx-len", type=int, default=128)
+    p.add_argument("--kv-cache-prefix", default=None, help="alphanumeric infix for the KV buffer names")
+    p.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=True,
+                   help="lower one decoder block and stitch it (default) or export the whole model")
+    p.add_argument("--kv-precision", choices=["float16", "mxint8"], default="float16")
+    p.add_argument("--num-cores", type=int, default=16)
+    p.add_argument("--validate", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the export on ONNX Runtime and compare greedy tokens with eager PyTorch")
+
+
+def export_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from qaic_dynamo.export import ExportError, export_for_qaic, ort_generate
+
+    if Path(args.model).is_dir():
+        model: object = args.model
+    else:
+        from qaic_dynamo import demo
+
+        if args.model not in ("llama", "qwen2", "mistral", "mla"):
+            print(f"qaic-dynamo export: --model {args.model!r} is neither a built-in model "
+                  "(llama, qwen2, mistral, mla) nor a local directory", file=sys.stderr)
+            return 2
+        model = demo.build_model(argparse.Namespace(model=args.model, config=None, layers=args.layers,
+                                                    hidden_size=args.hidden_size, seed=args.seed))
+    bars: dict[str, tqdm] = {}
+
+    def progress(stage: str, done: int, total: int) -> None:
+        bar = bars.get(stage)
+        if bar is None:
+            bar = bars[stage] = tqdm(total=total, desc=f"{stage:<8}", unit="layer" if stage == "layers" else "step",
+                                     leave=False)
+        bar.update(done - bar.n)
+
+    try:
+        result = export_for_qaic(
+            model, args.out, batch_size=args.batch_size, prefill_seq_len=args.prefill_seq_len, ctx_len=args.ctx_len,
+            kv_cache_prefix=args.kv_cache_prefix, layerwise=args.layerwise, kv_precision=args.kv_precision,
+            num_cores=args.num_cores, progress=progress)
+    except ExportError as e:
+        print(f"qaic-dynamo export: {e}", file=sys.stderr)
+        return 1
+    finally:
+        for bar in bars.values():
+            bar.close()
+    print(result.summary())
+    if args.validate:
+        import torch
+
+        from qaic_dynamo import LLM
+
+        vocab = int(onnx_vocab(result.onnx_path))
+        g = torch.Generator().manual_seed(args.seed)
+        n = max(1, min(args.prefill_seq_len + 3, args.ctx_len - 4))
+        prompts = [torch.randint(0, vocab, (k,), generator=g).tolist() for k in sorted({max(1, n // 3), n})]
+        new = max(1, min(4, args.ctx_len - max(len(p) for p in prompts)))
+        t0 = time.perf_counter()
+        got, _ = ort_generate(result.onnx_path, prompts, new, args.prefill_seq_len)
+        want = LLM(model, backend="eager", max_model_len=args.ctx_len).generate(prompts, new)
+        same = got == want
+        print(f"validation        ONNX Runtime greedy tokens {'==' if same else '!='} eager PyTorch "
+              f"({len(prompts)} prompts x {new} tokens, {time.perf_counter() - t0:.1f} s)")
+        if not same:
+            return 1
+    return 0
+
+
+def onnx_vocab(path: object) -> int:
+    import onnx
+
+    out = onnx.load(str(path), load_external_data=False).graph.output[0]
+    return out.type.tensor_type.shape.dim[-1].dim_value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qaic-dynamo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,9 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     cache = sub.add_parser("cache", help="inspect or empty the persistent compile cache")
     cache.add_argument("action", choices=["info", "list", "clear"])
     cache.add_argument("--cache-dir", help="cache root (default: the backend's, see docs)")
+    add_export_arguments(sub.add_parser("export", help="export a model for a Cloud AI 100 card"))
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo.run(args)
+    if args.command == "export":
+        return export_command(args)
     return cache_command(args)
 
 

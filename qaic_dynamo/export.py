@@ -168,6 +168,8 @@ class ExportOptions:
     num_cores: int = field(default=16, metadata=_doc("qaic-compile -aic-num-cores."))
     compiler_options: tuple[tuple[str, Any], ...] = field(
         default=(), metadata=_doc("Extra qaic-compile options, key_name=v -> -key-name=v; True -> bare flag."))
+    retained_buffers: tuple[str, ...] = field(
+        default=(), metadata=_doc("Model buffers kept as retained state (input X, output X_RetainedState; never prefixed)."))
     opset: int = field(default=18, metadata=_doc("ONNX opset of the model."))
 
     def __post_init__(self) -> None:
@@ -191,6 +193,9 @@ class ExportOptions:
             raise ExportError(f"unknown export option(s) {unknown}; valid options: {sorted(valid)}")
         if isinstance(options.get("compiler_options"), dict):
             options["compiler_options"] = tuple(sorted(options["compiler_options"].items()))
+        if isinstance(options.get("retained_buffers"), (list, str)):
+            rb = options["retained_buffers"]
+            options["retained_buffers"] = (rb,) if isinstance(rb, str) else tuple(rb)
         return cls(**options)
 
     def as_dict(self) -> dict[str, Any]:
@@ -346,11 +351,11 @@ def _identity(engine_model: nn.Module) -> dict[str, Any]:
     return {"class": type(engine_model).__name__, "config": cfg_dict, "weights": h.hexdigest()[:16]}
 
 
-def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and buffers by qualified name (tied weights once)."""
+def _weights(model: nn.Module, exclude: Sequence[str] = ()) -> dict[str, torch.Tensor]:
+    """Parameters and buffers by qualified name (tied weights once), but ``exclude``."""
     out = {name: p.detach() for name, p in model.named_parameters()}
     out.update({name: b.detach() for name, b in model.named_buffers()})
-    return out
+    return {k: v for k, v in out.items() if k not in exclude}
 
 
 @dataclass
@@ -363,45 +368,56 @@ class _Trace:
     stems: dict[int, tuple[str, ...]]
     num_layers: int
     vocab: int
+    #: Non-KV retained-state buffers (I/O named after them, never prefixed).
+    retained: list[str] = field(default_factory=list)
 
 
 def _trace(model: nn.Module, layer_names: list[str], past_shapes: list[tuple[tuple[int, ...], ...]],
-           dtype: torch.dtype, opset: int) -> _Trace:
-    """Trace ``model`` (the engine form) as input_ids, position_ids, past..., weights ->
-    logits [B, 1, V], updated past... through the lowering's direct path."""
+           dtype: torch.dtype, opset: int, retained: Sequence[str] = ()) -> _Trace:
+    """Trace ``model`` (the engine form) as input_ids, position_ids, past..., retained
+    buffers..., weights -> logits [B, 1, V], updated past..., retained buffers... through
+    the lowering's direct path."""
     from qaic_dynamo.lowering import aten_graph
 
-    weights = _weights(model)
+    weights = _weights(model, exclude=retained)
+    buffers = dict(model.named_buffers())
     weight_names = list(weights)
     past_spec = [(i, j) for i, shapes in enumerate(past_shapes) for j in range(len(shapes))]
     recorded: dict[str, Any] = {}
 
     def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, *rest: torch.Tensor):
-        flat_past, params = rest[: len(past_spec)], rest[len(past_spec):]
+        flat_past, kept, params = rest[: len(past_spec)], rest[len(past_spec): len(past_spec) + len(retained)], \
+            rest[len(past_spec) + len(retained):]
         past = [list(flat_past[k: k + len(s)]) for k, s in zip(_offsets(past_shapes), past_shapes)]
+        tensors = dict(zip(weight_names, params))
+        tensors.update(zip(retained, kept))
         b, s = input_ids.shape
         # The logits row of each sequence: its last real token (the highest position).
         last = position_ids.argmax(dim=1) + torch.arange(b, device=input_ids.device) * s
         with RetainedStateKV(layer_names, past, position_ids) as mode:
             logits = torch.func.functional_call(
-                model, dict(zip(weight_names, params)), (input_ids.reshape(-1), position_ids.reshape(-1), last))
+                model, tensors, (input_ids.reshape(-1), position_ids.reshape(-1), last))
         recorded["stems"] = mode.stems
         if len(mode.updated) != len(past):
             raise ExportError(f"the model updated {len(mode.updated)} of its {len(past)} KV caches in one forward")
-        return (logits.unsqueeze(1), *[t for i in range(len(past)) for t in mode.updated[i]])
+        # A retained buffer leaves as its value after the step (a copy: an ONNX output
+        # must be a value of its own, not the input).
+        return (logits.unsqueeze(1), *[t for i in range(len(past)) for t in mode.updated[i]],
+                *[tensors[name].clone() for name in retained])
 
     batch, seq, ctx = 3, 5, 17  # distinct, not 0/1: every one stays a symbol
     ex_ids = torch.zeros(batch, seq, dtype=torch.long)
     ex_pos = torch.arange(seq).repeat(batch, 1)
     ex_past = [torch.zeros((batch, *shape[1:2], ctx, *shape[3:]), dtype=dtype) for shapes in past_shapes for shape in shapes]
-    example = [ex_ids, ex_pos, *ex_past, *weights.values()]
-    dynamic = [{0: "batch_size", 1: "seq_len"}] * 2 + [{0: "batch_size", 2: "ctx_len"}] * len(ex_past) + [None] * len(weights)
+    example = [ex_ids, ex_pos, *ex_past, *[buffers[n].detach() for n in retained], *weights.values()]
+    dynamic = [{0: "batch_size", 1: "seq_len"}] * 2 + [{0: "batch_size", 2: "ctx_len"}] * len(ex_past) + \
+        [None] * (len(retained) + len(weights))
     with torch.no_grad(), torch.fx.traceback.preserve_node_meta():
         gm = aten_graph(forward, example, dynamic, opset)
     inputs = [("input", "input_ids"), ("input", "position_ids")] + [("past", i, j) for i, j in past_spec] + \
-        [("weight", n) for n in weight_names]
+        [("retained", n) for n in retained] + [("weight", n) for n in weight_names]
     vocab = int(gm.graph.find_nodes(op="output")[0].args[0][0].meta["val"].shape[-1])
-    return _Trace(gm, inputs, recorded.get("stems", {}), len(past_shapes), vocab)
+    return _Trace(gm, inputs, recorded.get("stems", {}), len(past_shapes), vocab, list(retained))
 
 
 def _offsets(past_shapes: Sequence[Sequence[Any]]) -> list[int]:
@@ -421,6 +437,7 @@ def _io_names(trace: _Trace, layers: range, prefix: str | None) -> tuple[list[st
     outputs = ["logits"]
     for i in layers:
         outputs += retained_state_names(trace.stems.get(i, trace.stems[max(trace.stems)]), i)
+    outputs += [f"{name}{RETAINED_STATE_SUFFIX}" for name in trace.retained]
     outputs = apply_kv_cache_prefix(outputs, prefix)
     inputs_of = align_inputs_to_outputs(outputs)
     past_name = {}
@@ -481,7 +498,8 @@ def _block_of(node: fx.Node) -> int | None:
     return node.meta.get("custom", {}).get(_BLOCK)
 
 
-def _layerwise(trace: _Trace, blocks_path: str, num_layers: int, prefix: str | None, opset: int) -> tuple[onnx.ModelProto, list[str]]:
+def _layerwise(trace: _Trace, blocks_path: str, num_layers: int, prefix: str | None, opset: int,
+               on_layer: Callable[[int], None] = lambda i: None) -> tuple[onnx.ModelProto, list[str]]:
     """Cut the three-block trace into pre / block 0 / block 1 / block 2 / post, check that
     blocks 1 and 2 are one graph, translate pre, block 0, block 1 and post once each, and
     stitch block 0 plus ``num_layers - 1`` instances of block 1 into one model.
@@ -570,6 +588,7 @@ def _layerwise(trace: _Trace, blocks_path: str, num_layers: int, prefix: str | N
     one, two = f"{blocks_path}.1.", f"{blocks_path}.2."
     prev = emitted[B0]
     block_outs = [prev]
+    on_layer(0)
     for i in range(1, num_layers):
         ins = []
         for m, (s1, s2) in enumerate(zip(srcs[B1], srcs[B2])):
@@ -587,6 +606,7 @@ def _layerwise(trace: _Trace, blocks_path: str, num_layers: int, prefix: str | N
                                   f"({s1} vs {s2}); use layerwise=False")
         prev = emit(B1, f"layers.{i}", ins)
         block_outs.append(prev)
+        on_layer(i)
     emitted[B2] = prev  # post reads the last block's outputs
     if any(s[:2] in (("out", B0), ("out", B1)) for s in srcs[POST]):
         raise ExportError("the model reads a non-final decoder block's output after the blocks; use layerwise=False")
@@ -600,6 +620,10 @@ def _layerwise(trace: _Trace, blocks_path: str, num_layers: int, prefix: str | N
     idx0 = [s[2] for s in top[1:] if s[:2] == ("out", B0)]
     idx1 = [s[2] for s in top[1:] if s[:2] == ("out", B1)]
     values = [emitted[POST][top[0][2]]] + [block_outs[i][k] for i in range(num_layers) for k in (idx0 if i == 0 else idx1)]
+    kept_src = top[len(top) - len(trace.retained):] if trace.retained else []
+    if any(s[:2] in (("out", B0), ("out", B1)) for s in kept_src):
+        raise ExportError("a retained buffer is written inside the decoder blocks; use layerwise=False")
+    values += [value(s, 0) for s in kept_src]
     for v, name in zip(values, outputs):
         nodes.append(onnx.helper.make_node("Identity", [v], [name], name=f"output/{name}"))
 
@@ -612,10 +636,19 @@ def _layerwise(trace: _Trace, blocks_path: str, num_layers: int, prefix: str | N
             raise ExportError(f"the model does not read {name}")
         graph_inputs.append(_renamed_vi(vi, name))
     graph_inputs += [_renamed_vi(past_vi[j], name) for (i, j), name in past_name.items()]
+    kept_vi = {}
+    for name in trace.retained:
+        vi = next((parts[k].graph.input[m] for k in (PRE, B0, B1, POST) for m, s in enumerate(srcs[k])
+                   if s == ("in", "retained", name)), None)
+        if vi is None:
+            raise ExportError(f"the model does not read its retained buffer {name!r}")
+        kept_vi[name] = vi
+        graph_inputs.append(_renamed_vi(vi, name))
     inputs_of = align_inputs_to_outputs(outputs)
     by_input = {n: j for (i, j), n in past_name.items()}
     graph_outputs = [_renamed_vi(parts[POST].graph.output[top[0][2]], "logits")]
-    graph_outputs += [_renamed_vi(past_vi[by_input[inputs_of[name]]], name) for name in outputs[1:]]
+    graph_outputs += [_renamed_vi(past_vi[by_input[inputs_of[name]]] if inputs_of[name] in by_input
+                                  else kept_vi[inputs_of[name]], name) for name in outputs[1:]]
     graph = onnx.helper.make_graph(nodes, "main_graph", graph_inputs, graph_outputs, initializer=initializers)
     model = onnx.helper.make_model(graph, opset_imports=list(parts[B1].opset_import), producer_name="qaic_dynamo")
     return finish_model(model, opset, check=False), outputs
@@ -790,26 +823,32 @@ def _first_blocks(model: nn.Module, path: str, n: int) -> Iterator[nn.ModuleList
 
 def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int = 1, prefill_seq_len: int = 32,
                     ctx_len: int = 128, kv_cache_prefix: str | None = None, layerwise: bool = True,
-                    progress: Callable[[str], None] | None = None, run_compiler: bool = True,
+                    progress: Callable[[str, int, int], None] | None = None, run_compiler: bool = True,
                     **options: Any) -> ExportResult:
     """Export ``model`` for a Cloud AI 100 card into ``out_dir/<hash>/``.
 
     ``model``: what ``LLM`` takes (a transformers causal LM, a local model directory, a
     reference model or its name). ``options``: the rest of :class:`ExportOptions`
-    (``kv_precision``, ``num_cores``, ``compiler_options``, ``opset``). ``progress`` is
-    called with a short message per stage. Raises ExportError for bad options or a model
-    that cannot be exported.
+    (``kv_precision``, ``num_cores``, ``compiler_options``, ``retained_buffers``, ``opset``).
+    ``progress(stage, done, total)`` is called as stages advance ("layers" counts the
+    decoder layers built). ``run_compiler=False`` never runs qaic-compile (the command is
+    still written). Raises ExportError for bad options or a model that cannot be exported.
     """
     opts = ExportOptions.from_options(batch_size=batch_size, prefill_seq_len=prefill_seq_len, ctx_len=ctx_len,
                                       kv_cache_prefix=kv_cache_prefix, layerwise=layerwise, **options)
-    say = progress or (lambda msg: None)
+    say = progress or (lambda stage, done, total: None)
     t_start = time.perf_counter()
     engine_model = _engine_model(model)
     layer_names = list(engine_model.kv_cache_layers)
     shapes = engine_model.kv_cache_shapes(opts.batch_size, opts.ctx_len)
     past_shapes = [shapes[n] for n in layer_names]
     dtype = next(engine_model.parameters()).dtype
-    weights = _weights(engine_model)
+    buffers = dict(engine_model.named_buffers())
+    unknown = [n for n in opts.retained_buffers if n not in buffers]
+    if unknown:
+        raise ExportError(f"retained_buffers {unknown} are not buffers of the model; its buffers: {sorted(buffers)}")
+    retained = list(opts.retained_buffers)
+    weights = _weights(engine_model, exclude=retained)
     digest = opts.compute_hash(_identity(engine_model))
     export_dir = Path(out_dir) / digest
     export_dir.mkdir(parents=True, exist_ok=True)
@@ -827,27 +866,31 @@ def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int =
         # Three blocks: a first (it may differ) and two that must be the same graph. Up to
         # three layers that is the whole model anyway.
         n = min(3, len(layer_names))
-        say(f"tracing {n} of {len(layer_names)} decoder blocks")
+        say("trace", 0, 1)
         with _first_blocks(engine_model, path, n):
-            trace = _trace(engine_model, layer_names[:n], past_shapes[:n], dtype, opts.opset)
+            trace = _trace(engine_model, layer_names[:n], past_shapes[:n], dtype, opts.opset, retained)
+        say("trace", 1, 1)
         seconds["trace"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        say(f"stitching {len(layer_names)} layers")
         if n == len(layer_names):
             model_proto, outputs = _whole_model(trace, opts.kv_cache_prefix, opts.opset)
+            say("layers", n, n)
         else:
-            model_proto, outputs = _layerwise(trace, path, len(layer_names), opts.kv_cache_prefix, opts.opset)
+            model_proto, outputs = _layerwise(trace, path, len(layer_names), opts.kv_cache_prefix, opts.opset,
+                                              lambda i: say("layers", i + 1, len(layer_names)))
     else:
-        say(f"tracing all {len(layer_names)} layers")
-        trace = _trace(engine_model, layer_names, past_shapes, dtype, opts.opset)
+        say("trace", 0, 1)
+        trace = _trace(engine_model, layer_names, past_shapes, dtype, opts.opset, retained)
+        say("trace", 1, 1)
         seconds["trace"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         model_proto, outputs = _whole_model(trace, opts.kv_cache_prefix, opts.opset)
+        say("layers", len(layer_names), len(layer_names))
     _name_dims(model_proto)
     seconds["translate"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    say("writing weights")
+    say("weights", 0, 1)
     _weight_initializers(model_proto, weights)
     onnx_path = export_dir / ONNX_NAME
     for stale in (onnx_path, export_dir / DATA_NAME):
@@ -881,7 +924,7 @@ def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int =
          "compile": {"hash": qpc_hash, "command": cmd}}, indent=2, sort_keys=True, default=str) + "\n")
     compiled, log = False, None
     if run_compiler and compiler.exists() and os.access(compiler, os.X_OK):
-        say("running qaic-compile")
+        say("qaic-compile", 0, 1)
         qpc_dir.mkdir(parents=True, exist_ok=True)
         log = qpc_dir / "compile.log"
         proc = subprocess.run(cmd, capture_output=True, text=True)
