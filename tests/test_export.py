@@ -1,0 +1,455 @@
+"""Deployment export (issue 11): names, validation, compiler inputs, ONNX Runtime parity of
+the whole-model and layerwise exports, padding, and the three upstream layerwise bugs."""
+
+from __future__ import annotations
+
+import json
+import stat
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+import torch.nn as nn
+
+from qaic_dynamo import LLM
+from qaic_dynamo import export as qexport
+from qaic_dynamo.export import (
+    ExportError,
+    ExportOptions,
+    align_inputs_to_outputs,
+    apply_kv_cache_prefix,
+    custom_io_yaml,
+    export_for_qaic,
+    ort_generate,
+    retained_state_names,
+    specializations,
+    validate_kv_cache_prefix,
+)
+from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM, QaicMLAConfig, QaicMLAForCausalLM, hf_model_from_config
+
+PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46], [35, 89, 7]]
+SHAPE = dict(batch_size=2, prefill_seq_len=8, ctx_len=32)
+SUFFIX = "_RetainedState"
+
+
+def llama(layers: int = 4) -> QaicLlamaForCausalLM:
+    torch.manual_seed(0)
+    return QaicLlamaForCausalLM(QaicLlamaConfig(num_hidden_layers=layers, hidden_size=64, intermediate_size=128,
+                                                num_attention_heads=4, num_key_value_heads=2, vocab_size=256)).eval()
+
+
+def mla(layers: int = 4) -> QaicMLAForCausalLM:
+    torch.manual_seed(0)
+    return QaicMLAForCausalLM(QaicMLAConfig(num_hidden_layers=layers)).eval()
+
+
+def hf(family: str, layers: int = 4) -> nn.Module:
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    small = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 num_hidden_layers=layers)
+    cfg = {"llama": lambda: LlamaConfig(**small), "qwen2": lambda: Qwen2Config(**small),
+           "mistral": lambda: MistralConfig(sliding_window=6, **small)}[family]()
+    return hf_model_from_config(cfg)
+
+
+def graph_io(path) -> tuple[list[str], list[str]]:
+    g = onnx.load(str(path), load_external_data=False).graph
+    return [i.name for i in g.input], [o.name for o in g.output]
+
+
+# --- names -------------------------------------------------------------------------------------
+
+
+def test_names_without_and_with_a_prefix():
+    outs = ["logits", *retained_state_names(("past_key", "past_value"), 3), "vision_embeds_RetainedState"]
+    assert outs == ["logits", "past_key.3_RetainedState", "past_value.3_RetainedState", "vision_embeds_RetainedState"]
+    assert apply_kv_cache_prefix(outs, None) == outs
+    prefixed = apply_kv_cache_prefix(outs, "vllm")
+    assert prefixed == ["logits", "past_key.3_vllm_RetainedState", "past_value.3_vllm_RetainedState",
+                        "vision_embeds_RetainedState"]  # a non-KV retained buffer keeps its name
+    assert align_inputs_to_outputs(prefixed) == {
+        "past_key.3_vllm_RetainedState": "past_key.3_vllm",
+        "past_value.3_vllm_RetainedState": "past_value.3_vllm",
+        "vision_embeds_RetainedState": "vision_embeds",
+    }
+    mla_names = apply_kv_cache_prefix(retained_state_names(("compressed_kv", "k_pe"), 0), "P1")
+    assert mla_names == ["compressed_kv.0_P1_RetainedState", "k_pe.0_P1_RetainedState"]
+
+
+@pytest.mark.parametrize("bad", ["", "kv.cache", "kv_cache", "kv cache", "kv-cache", 3, b"kv", ["kv"]])
+def test_invalid_kv_cache_prefix_is_refused(bad):
+    with pytest.raises(ExportError, match="kv_cache_prefix must be"):
+        validate_kv_cache_prefix(bad)
+    with pytest.raises(ExportError, match="kv_cache_prefix must be"):
+        export_for_qaic(llama(2), "/nonexistent", kv_cache_prefix=bad)
+
+
+def test_valid_prefixes():
+    assert validate_kv_cache_prefix("vllm") == "vllm" and validate_kv_cache_prefix("KV0") == "KV0"
+    assert validate_kv_cache_prefix(None) is None
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(batch_size=0), "batch_size must be a positive int"),
+    (dict(ctx_len=-1), "ctx_len must be a positive int"),
+    (dict(prefill_seq_len=64, ctx_len=32), r"prefill_seq_len \(64\) must not exceed ctx_len \(32\)"),
+    (dict(kv_precision="int4"), "kv_precision must be one of"),
+    (dict(layerwise="yes"), "layerwise must be a bool"),
+    (dict(num_core=4), r"unknown export option\(s\) \['num_core'\]; valid options: \[.*'num_cores'"),
+])
+def test_invalid_options_are_refused(options, message):
+    with pytest.raises(ExportError, match=message):
+        ExportOptions.from_options(**options)
+
+
+def test_a_retained_buffer_that_is_not_a_buffer_is_refused(tmp_path):
+    with pytest.raises(ExportError, match=r"retained_buffers \['vision_embeds'\] are not buffers of the model"):
+        export_for_qaic(llama(2), tmp_path, retained_buffers=["vision_embeds"], **SHAPE)
+
+
+# --- compiler inputs ------------------------------------------------------------------------
+
+
+def test_custom_io_pairs_every_kv_input_with_its_output():
+    outs = apply_kv_cache_prefix(["logits", *retained_state_names(("past_key", "past_value"), 0),
+                                  *retained_state_names(("past_key", "past_value"), 1)], "P")
+    text = custom_io_yaml(outs)
+    names = [line.split(": ")[1] for line in text.splitlines() if line.startswith("- IOName")]
+    precisions = {line.split(": ")[1] for line in text.splitlines() if "Precision" in line}
+    assert names == ["past_key.0_P", "past_key.0_P_RetainedState", "past_value.0_P", "past_value.0_P_RetainedState",
+                     "past_key.1_P", "past_key.1_P_RetainedState", "past_value.1_P", "past_value.1_P_RetainedState"]
+    assert precisions == {"float16"}
+    assert {line.split(": ")[1] for line in custom_io_yaml(outs, "mxint8").splitlines() if "Precision" in line} == {"mxint8"}
+    with pytest.raises(ExportError, match="kv_precision must be one of"):
+        custom_io_yaml(outs, "fp8")
+
+
+def test_specializations_have_prefill_and_decode():
+    specs = specializations(ExportOptions(batch_size=4, prefill_seq_len=16, ctx_len=256))
+    assert specs == {"specializations": [
+        {"name": "Prefill", "symbols": {"batch_size": "1", "seq_len": "16", "ctx_len": "256"}},
+        {"name": "Decode", "symbols": {"batch_size": "4", "seq_len": "1", "ctx_len": "256"}},
+    ]}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """One small layerwise export, shared by the tests that only read it."""
+    return export_for_qaic(llama(4), tmp_path_factory.mktemp("exp"), run_compiler=False, **SHAPE,
+                           compiler_options={"mxfp6_matmul": True, "mos": 1, "skipped": False})
+
+
+def test_compile_command(exported):
+    cmd = exported.compile_command
+    d = exported.export_dir
+    from qaic_dynamo.config import qaic_compiler_path
+
+    assert cmd[0] == str(qaic_compiler_path())
+    assert cmd[1:] == [
+        "-aic-hw", "-aic-hw-version=2.0", f"-m={d / 'model.onnx'}", "-retained-state", "-convert-to-fp16",
+        "-aic-num-cores=16", f"-custom-IO-list-file={d / 'custom_io.yaml'}",
+        f"-network-specialization-config={d / 'specializations.json'}", "-mos=1", "-mxfp6-matmul",
+        f"-aic-binary-dir={exported.qpc_dir}",
+    ]
+    assert not exported.compiled and (d / "compile.sh").read_text().splitlines()[-1].startswith(cmd[0])
+    params = json.loads((d / "export_params.json").read_text())
+    assert params["compile"]["command"] == cmd and exported.qpc_dir.name == f"qpc-{params['compile']['hash']}"
+    assert params["options"]["ctx_len"] == 32 and params["hash"] == d.name
+
+
+def test_the_compiler_runs_when_present_and_its_log_is_kept(tmp_path, monkeypatch):
+    fake = tmp_path / "qaic-compile"
+    fake.write_text("#!/bin/sh\necho compiled \"$@\"\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("QAIC_COMPILER", str(fake))
+    result = export_for_qaic(llama(2), tmp_path / "out", **SHAPE)
+    assert result.compiled and result.compile_command[0] == str(fake)
+    assert result.compile_log.read_text().startswith("compiled -aic-hw")
+    assert "ran:" in result.summary()
+
+    fake.write_text("#!/bin/sh\necho no card >&2\nexit 3\n")
+    with pytest.raises(ExportError, match=r"qaic-compile failed \(3\); see .*compile.log"):
+        export_for_qaic(llama(2), tmp_path / "out2", **SHAPE)
+
+
+def test_the_compile_hash_covers_command_specializations_and_custom_io(tmp_path):
+    model = llama(2)
+    base = export_for_qaic(model, tmp_path, run_compiler=False, **SHAPE)
+    cores = export_for_qaic(model, tmp_path, run_compiler=False, num_cores=4, **SHAPE)
+    mx = export_for_qaic(model, tmp_path, run_compiler=False, kv_precision="mxint8", **SHAPE)
+    assert len({base.qpc_dir.name, cores.qpc_dir.name, mx.qpc_dir.name}) == 3
+
+
+# --- the artifact --------------------------------------------------------------------------
+
+
+def test_io_names_axes_functions_and_external_weights(exported, tmp_path, monkeypatch):
+    inputs, outputs = graph_io(exported.onnx_path)
+    kv = [f"past_{kv}.{i}" for i in range(4) for kv in ("key", "value")]
+    assert inputs == ["input_ids", "position_ids", *kv] == exported.input_names
+    assert outputs == ["logits", *[n + SUFFIX for n in kv]] == exported.output_names
+    m = onnx.load(str(exported.onnx_path), load_external_data=False)
+    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in (*m.graph.input, *m.graph.output)}
+    assert dims["input_ids"] == dims["position_ids"] == ["batch_size", "seq_len"]
+    assert dims["past_key.2"] == dims["past_key.2_RetainedState"] == ["batch_size", 2, "ctx_len", 16]
+    assert dims["logits"] == ["batch_size", 1, 256]
+    assert {f"{f.domain}::{f.name}" for f in m.functions} == {"com.qualcomm.cloud::CtxScatter",
+                                                             "com.qualcomm.cloud::CtxGather"}
+    assert all(n.domain in ("", "com.qualcomm.cloud") for n in m.graph.node)
+    # Weights live beside the model, and it loads from any working directory.
+    assert m.graph.initializer and all(t.data_location == onnx.TensorProto.EXTERNAL for t in m.graph.initializer)
+    assert (exported.export_dir / "model.onnx.data").stat().st_size > exported.onnx_path.stat().st_size
+    monkeypatch.chdir(tmp_path)
+    onnx.checker.check_model(str(exported.onnx_path), full_check=True)
+    ort.InferenceSession(str(exported.onnx_path), providers=["CPUExecutionProvider"])
+
+
+def eager_reference(model, prompts, n):
+    outs = LLM(model, backend="eager").generate_outputs(prompts, n, return_logits=True)
+    return [o.token_ids for o in outs], [o.logits for o in outs]
+
+
+@pytest.mark.parametrize("kind, layerwise", [
+    *[(k, lw) for k in ("reference-llama", "mla", "hf-llama") for lw in (True, False)],
+    ("qwen2", True), ("mistral", True),  # the whole-model path is the same code for every family
+])
+def test_onnx_runtime_matches_eager(kind, layerwise, tmp_path):
+    """Prefill, then decode feeding every _RetainedState back: the greedy tokens of eager
+    PyTorch, and logits within 1e-4 at every decode step."""
+    model = {"reference-llama": llama, "mla": mla, "hf-llama": lambda: hf("llama"), "qwen2": lambda: hf("qwen2"),
+             "mistral": lambda: hf("mistral")}[kind]()
+    result = export_for_qaic(model, tmp_path, layerwise=layerwise, **SHAPE)
+    tokens, logits = ort_generate(result.onnx_path, PROMPTS, 6, SHAPE["prefill_seq_len"])
+    want_tokens, want_logits = eager_reference(model, PROMPTS, 6)
+    assert tokens == want_tokens
+    for step, got in enumerate(logits):  # decode steps: the tokens after the first
+        want = torch.stack([w[step + 1] for w in want_logits])
+        torch.testing.assert_close(torch.from_numpy(got), want, atol=1e-4, rtol=0)
+
+
+def test_a_local_model_directory_exports(tmp_path):
+    model = hf("llama", 4)
+    model.save_pretrained(tmp_path / "model")
+    result = export_for_qaic(str(tmp_path / "model"), tmp_path / "out", **SHAPE)
+    tokens, _ = ort_generate(result.onnx_path, PROMPTS, 4, SHAPE["prefill_seq_len"])
+    assert tokens == LLM(str(tmp_path / "model"), backend="eager").generate(PROMPTS, 4)
+
+
+def run_all(path, feeds):
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+
+
+def random_feeds(names_shapes, batch, seq, ctx, seed=0):
+    g = np.random.default_rng(seed)
+    feeds = {"input_ids": g.integers(0, 256, (batch, seq)).astype(np.int64)}
+    pos = np.tile(np.arange(3, 3 + seq), (batch, 1)).astype(np.int64)
+    pos[1, -2:] = -1  # a padded tail
+    feeds["position_ids"] = pos
+    for name, shape in names_shapes:
+        feeds[name] = g.standard_normal([batch, shape[1], ctx, shape[3]]).astype(np.float32)
+    return feeds
+
+
+@pytest.mark.parametrize("layers", [4, 6])
+def test_stitched_equals_direct_whole_model_export(layers, tmp_path):
+    model = llama(layers)
+    stitched = export_for_qaic(model, tmp_path, layerwise=True, **SHAPE)
+    direct = export_for_qaic(model, tmp_path, layerwise=False, **SHAPE)
+    assert stitched.export_dir != direct.export_dir and stitched.output_names == direct.output_names
+    sess = ort.InferenceSession(str(direct.onnx_path), providers=["CPUExecutionProvider"])
+    shapes = [(i.name, i.shape) for i in sess.get_inputs()[2:]]
+    feeds = random_feeds(shapes, batch=2, seq=5, ctx=32)
+    a, b = run_all(stitched.onnx_path, feeds), run_all(direct.onnx_path, feeds)
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], atol=1e-5, rtol=0)
+
+
+def test_padding_never_writes_a_real_slot(exported):
+    sess = ort.InferenceSession(str(exported.onnx_path), providers=["CPUExecutionProvider"])
+    shapes = [(i.name, i.shape) for i in sess.get_inputs()[2:]]
+    feeds = random_feeds(shapes, batch=2, seq=5, ctx=32)
+    feeds["position_ids"][1] = [4, 5, -1, -1, -1]
+    out = run_all(exported.onnx_path, feeds)
+    for name, _ in shapes:
+        new, old = out[name + SUFFIX], feeds[name]
+        written = {(0, p) for p in range(3, 8)} | {(1, 4), (1, 5)}
+        for b in range(2):
+            for slot in range(32):
+                if (b, slot) not in written:  # the last slot (where -1 would land) included
+                    np.testing.assert_array_equal(new[b, :, slot], old[b, :, slot])
+        assert not np.array_equal(new[1, :, 4], old[1, :, 4])
+    # A row of padding only writes nothing at all.
+    feeds["position_ids"][1] = -1
+    out = run_all(exported.onnx_path, feeds)
+    np.testing.assert_array_equal(out["past_key.0" + SUFFIX][1], feeds["past_key.0"][1])
+
+
+def test_ctx_ops_and_their_onnx_functions_agree():
+    from onnx import helper
+
+    from qaic_dynamo.onnx_functions import CtxGather, CtxScatter
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.randn(2, 3, 7, 4, generator=g)
+    pos = torch.tensor([[2, 6, -1], [-1, -1, -1]])
+    upd = torch.randn(2, 3, 3, 4, generator=g)
+    want = data.clone()
+    want[0, :, 2], want[0, :, 6] = upd[0, :, 0], upd[0, :, 1]
+    torch.testing.assert_close(torch.ops.qaic.ctx_scatter(data, pos, upd), want, atol=0, rtol=0)
+    idx = torch.tensor([[[6, 0]] * 3, [[1, 1]] * 3])
+    torch.testing.assert_close(torch.ops.qaic.ctx_gather(data, idx), torch.stack(
+        [data[0][:, [6, 0]], data[1][:, [1, 1]]]), atol=0, rtol=0)
+
+    def run_fn(fn, inputs):
+        proto = fn.to_function_proto()
+        names = list(proto.input)
+        node = helper.make_node(proto.name, names, ["out"], domain=proto.domain)
+        vis = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+               for n, v in zip(names, inputs)]
+        graph = helper.make_graph([node], "g", vis, [helper.make_tensor_value_info("out", 1, None)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(proto.domain, 1)],
+                                  functions=[proto], ir_version=10)
+        return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, dict(zip(names, inputs)))[0]
+
+    np.testing.assert_array_equal(run_fn(CtxScatter, [data.numpy(), pos.numpy(), upd.numpy()]), want.numpy())
+    np.testing.assert_array_equal(run_fn(CtxGather, [data.numpy(), idx.numpy()]),
+                                  torch.ops.qaic.ctx_gather(data, idx).numpy())
+
+
+@pytest.mark.parametrize("op, args", [
+    ("ctx_scatter", lambda: (torch.randn(2, 3, 7, 4), torch.tensor([[2, 6, -1], [0, -1, 1]]), torch.randn(2, 3, 3, 4))),
+    ("ctx_gather", lambda: (torch.randn(2, 3, 7, 4), torch.randint(0, 7, (2, 3, 5)))),
+])
+def test_ctx_ops_opcheck(op, args):
+    torch.library.opcheck(getattr(torch.ops.qaic, op).default, args())
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: torch.ops.qaic.ctx_scatter(torch.zeros(2, 3, 7, 4), torch.tensor([[7], [0]]), torch.zeros(2, 3, 1, 4)),
+     "position 7 .* does not fit in ctx_len 7"),
+    (lambda: torch.ops.qaic.ctx_scatter(torch.zeros(2, 3, 7, 4), torch.tensor([[1], [0]]), torch.zeros(2, 2, 1, 4)),
+     r"updates must be \[batch, heads, seq_len, head_dim\]"),
+    (lambda: torch.ops.qaic.ctx_gather(torch.zeros(2, 3, 7, 4), torch.full((2, 3, 1), 9)),
+     r"ctx_indices must lie in \[0, 7\)"),
+])
+def test_ctx_op_errors(call, message):
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+# --- kv_cache_prefix and the three upstream bugs ---------------------------------------------
+
+
+def test_prefix_changes_the_hash_directory_and_nothing_else(tmp_path):
+    model = llama(4)
+    plain = export_for_qaic(model, tmp_path, **SHAPE)
+    again = export_for_qaic(model, tmp_path, **SHAPE)
+    prefixed = export_for_qaic(model, tmp_path, kv_cache_prefix="vllm", **SHAPE)
+    assert plain.export_dir == again.export_dir != prefixed.export_dir
+    assert json.loads((prefixed.export_dir / "export_params.json").read_text())["options"]["kv_cache_prefix"] == "vllm"
+    # Without a prefix the model is the same bytes as the prefixed one with the infix taken out.
+    plain_bytes = plain.onnx_path.read_bytes()
+    m = onnx.load(str(prefixed.onnx_path), load_external_data=False)
+
+    def unprefix(name: str) -> str:
+        return name.replace("_vllm", "")
+
+    for v in (*m.graph.input, *m.graph.output):
+        v.name = unprefix(v.name)
+    for n in m.graph.node:
+        n.input[:] = [unprefix(x) for x in n.input]
+        n.output[:] = [unprefix(x) for x in n.output]
+        n.name = unprefix(n.name)
+    assert m.SerializeToString() == plain_bytes
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
+def test_bug1_kv_cache_prefix_reaches_every_export_path(layerwise, tmp_path):
+    # QEfficient #1082 bug 1: the layerwise branch dropped kv_cache_prefix.
+    result = export_for_qaic(llama(4), tmp_path, kv_cache_prefix="vllm", layerwise=layerwise, **SHAPE)
+    inputs, outputs = graph_io(result.onnx_path)
+    kv_in = [n for n in inputs if n.startswith("past_")]
+    kv_out = [n for n in outputs if n.startswith("past_")]
+    assert len(kv_in) == len(kv_out) == 8
+    assert all(n.endswith("_vllm") for n in kv_in) and all(n.endswith("_vllm" + SUFFIX) for n in kv_out)
+    assert "past_key.0_vllm" in result.custom_io_path.read_text() and "past_key.0\n" not in result.custom_io_path.read_text()
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
+def test_bug2_output_names_come_from_the_one_naming_function(layerwise, tmp_path, monkeypatch):
+    # QEfficient #1082 bug 2: the layerwise export rebuilt output names from its own
+    # templates. Here every path's names flow through apply_kv_cache_prefix: a change
+    # there reaches both exports' outputs and, through alignment, their inputs.
+    real = qexport.apply_kv_cache_prefix
+    monkeypatch.setattr(qexport, "apply_kv_cache_prefix",
+                        lambda names, prefix: [n.replace(SUFFIX, "_marked" + SUFFIX) for n in real(names, prefix)])
+    result = export_for_qaic(llama(4), tmp_path, kv_cache_prefix="P", layerwise=layerwise, **SHAPE)
+    inputs, outputs = graph_io(result.onnx_path)
+    assert all(o.endswith("_P_marked" + SUFFIX) for o in outputs[1:]) and len(outputs) == 9
+    assert all(i.endswith("_P_marked") for i in inputs[2:])
+
+
+def test_bug3_layerwise_inputs_are_aligned_to_the_prefixed_outputs(tmp_path):
+    # QEfficient #1082 bug 3: layerwise export did not rename the KV inputs to match the
+    # prefixed outputs, so the compiler could not pair them (and dynamic axes were lost).
+    result = export_for_qaic(llama(5), tmp_path, kv_cache_prefix="vllm", layerwise=True, **SHAPE)
+    m = onnx.load(str(result.onnx_path), load_external_data=False)
+    inputs = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in m.graph.input}
+    for out in m.graph.output[1:]:
+        x = out.name[: -len(SUFFIX)]
+        assert x in inputs, f"{out.name} has no input {x}"
+        assert inputs[x] == ["batch_size", 2, "ctx_len", 16]
+    tokens, _ = ort_generate(result.onnx_path, PROMPTS, 4, SHAPE["prefill_seq_len"])
+    assert tokens == LLM(llama(5), backend="eager").generate(PROMPTS, 4)
+
+
+class VisionEmbeds(nn.Module):
+    """Token embeddings plus a retained ``vision_embeds`` buffer (a multimodal stand-in)."""
+
+    def __init__(self, embed: nn.Embedding) -> None:
+        super().__init__()
+        self.embed = embed
+        self.register_buffer("vision_embeds", torch.full((embed.embedding_dim,), 0.01))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids) + self.vision_embeds
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
+def test_a_non_kv_retained_buffer_keeps_its_name(layerwise, tmp_path):
+    model = llama(4)
+    model.embed_tokens = VisionEmbeds(model.embed_tokens)
+    result = export_for_qaic(model, tmp_path, kv_cache_prefix="vllm", layerwise=layerwise,
+                             retained_buffers=["embed_tokens.vision_embeds"], **SHAPE)
+    inputs, outputs = graph_io(result.onnx_path)
+    assert "embed_tokens.vision_embeds" in inputs and outputs[-1] == "embed_tokens.vision_embeds" + SUFFIX
+    assert all(n.endswith("_vllm") for n in inputs if n.startswith("past_"))
+    assert "embed_tokens.vision_embeds_RetainedState" in result.custom_io_path.read_text()
+    sess = ort.InferenceSession(str(result.onnx_path), providers=["CPUExecutionProvider"])
+    shapes = [(i.name, i.shape) for i in sess.get_inputs()[2:] if i.name.startswith("past_")]
+    feeds = random_feeds(shapes, batch=2, seq=3, ctx=32)
+    feeds["embed_tokens.vision_embeds"] = np.full(64, 0.5, dtype=np.float32)
+    out = run_all(result.onnx_path, feeds)
+    np.testing.assert_array_equal(out["embed_tokens.vision_embeds" + SUFFIX], feeds["embed_tokens.vision_embeds"])
+
+
+# --- command line ----------------------------------------------------------------------------
+
+
+def test_cli_exports_validates_and_summarises(tmp_path, capsys):
+    from qaic_dynamo.__main__ import main
+
+    rc = main(["export", "--model", "llama", "--layers", "4", "--hidden-size", "64", "--out", str(tmp_path),
+               "--kv-cache-prefix", "vllm", "--ctx-len", "48", "--prefill-seq-len", "16"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "past_key.0_vllm" in out and "layerwise: one block lowered, stitched" in out
+    assert "qaic-compile      not found" in out and "ONNX Runtime greedy tokens == eager PyTorch" in out
+    assert main(["export", "--model", "gpt9", "--out", str(tmp_path)]) == 2
+    assert main(["export", "--model", "llama", "--layers", "2", "--out", str(tmp_path), "--kv-cache-prefix", "a.b"]) == 1
+    assert "kv_cache_prefix must be" in capsys.readouterr().err
