@@ -17,12 +17,14 @@ nothing). The trace and the ONNX translation are the backend's direct lowering
 (``lowering.aten_graph`` / ``translate_aten``): no torch.export.
 
 ``layerwise=True`` (the default) uses the structural reuse the backend relies on: the
-model is traced with only its first two decoder blocks, the aten graph is cut at the
-block boundaries (recorded as node annotations), the two blocks are checked to be the
-same graph, and the one block is translated once and stitched L times into the merged
-model - each instance with its own weights and its own retained-state names. Export
-time is then flat in depth apart from writing the weights. ``layerwise=False`` traces and
-translates the whole model (time linear in depth); both give the same model numerically.
+model is traced with only its first three decoder blocks, the aten graph is cut at the
+block boundaries (recorded as node annotations), blocks 1 and 2 are checked to be the
+same graph, and the first block (which may differ, as the backend's first piece does) and
+the middle block are translated once each; the middle block is stitched L - 1 times into
+the merged model, each instance with its own weights and its own retained-state names.
+Export time is then flat in depth apart from writing the weights. ``layerwise=False``
+traces and translates the whole model (time linear in depth); both give the same model
+numerically.
 
 Names come from one place: :func:`retained_state_names` gives each layer's input and
 output names from the registry's stems, and :func:`apply_kv_cache_prefix` is the one
@@ -68,6 +70,7 @@ __all__ = [
     "ExportResult",
     "RETAINED_STATE_SUFFIX",
     "RetainedStateKV",
+    "RetainedStateModel",
     "align_inputs_to_outputs",
     "apply_kv_cache_prefix",
     "compile_command",
@@ -329,6 +332,37 @@ class RetainedStateKV(TorchFunctionMode):
 # --- the model in retained-state form -------------------------------------------------------
 
 
+class RetainedStateModel(nn.Module):
+    """An engine model in QAIC's retained-state form, a plain ``nn.Module``:
+    ``forward(input_ids [B, S], position_ids [B, S], *past) -> (logits [B, 1, V], *past')``
+    with ``past`` each layer's caches ``[B, heads, ctx_len, dim]`` in layer order. Any
+    tracer that runs Python (make_fx, ``torch.export`` non-strict) sees ``ctx_scatter`` /
+    ``ctx_gather`` and plain attention math instead of the paged ops; the export traces it,
+    and ``benchmarks/export.py`` hands it to ``torch.onnx.export`` for comparison."""
+
+    def __init__(self, model: nn.Module, caches_per_layer: Sequence[int]) -> None:
+        super().__init__()
+        self.model = model
+        self.caches_per_layer = list(caches_per_layer)
+        #: The stems each layer's update op declared in the last forward.
+        self.stems: dict[int, tuple[str, ...]] = {}
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *flat_past: torch.Tensor) -> tuple:
+        past, k = [], 0
+        for n in self.caches_per_layer:
+            past.append(list(flat_past[k: k + n]))
+            k += n
+        b, s = input_ids.shape
+        # The logits row of each sequence: its last real token (the highest position).
+        last = position_ids.argmax(dim=1) + torch.arange(b, device=input_ids.device) * s
+        with RetainedStateKV(list(self.model.kv_cache_layers)[: len(past)], past, position_ids) as mode:
+            logits = self.model(input_ids.reshape(-1), position_ids.reshape(-1), last)
+        self.stems = mode.stems
+        if len(mode.updated) != len(past):
+            raise ExportError(f"the model updated {len(mode.updated)} of its {len(past)} KV caches in one forward")
+        return (logits.unsqueeze(1), *[t for i in range(len(past)) for t in mode.updated[i]])
+
+
 def _engine_model(model: Any) -> nn.Module:
     from qaic_dynamo.models import load_model
 
@@ -383,27 +417,17 @@ def _trace(model: nn.Module, layer_names: list[str], past_shapes: list[tuple[tup
     buffers = dict(model.named_buffers())
     weight_names = list(weights)
     past_spec = [(i, j) for i, shapes in enumerate(past_shapes) for j in range(len(shapes))]
-    recorded: dict[str, Any] = {}
+    wrapper = RetainedStateModel(model, [len(shapes) for shapes in past_shapes])
 
     def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, *rest: torch.Tensor):
-        flat_past, kept, params = rest[: len(past_spec)], rest[len(past_spec): len(past_spec) + len(retained)], \
-            rest[len(past_spec) + len(retained):]
-        past = [list(flat_past[k: k + len(s)]) for k, s in zip(_offsets(past_shapes), past_shapes)]
-        tensors = dict(zip(weight_names, params))
-        tensors.update(zip(retained, kept))
-        b, s = input_ids.shape
-        # The logits row of each sequence: its last real token (the highest position).
-        last = position_ids.argmax(dim=1) + torch.arange(b, device=input_ids.device) * s
-        with RetainedStateKV(layer_names, past, position_ids) as mode:
-            logits = torch.func.functional_call(
-                model, tensors, (input_ids.reshape(-1), position_ids.reshape(-1), last))
-        recorded["stems"] = mode.stems
-        if len(mode.updated) != len(past):
-            raise ExportError(f"the model updated {len(mode.updated)} of its {len(past)} KV caches in one forward")
+        n_past = len(past_spec)
+        flat_past, kept, params = rest[:n_past], rest[n_past: n_past + len(retained)], rest[n_past + len(retained):]
+        tensors = {f"model.{k}": v for k, v in zip(weight_names, params)}
+        tensors.update((f"model.{k}", v) for k, v in zip(retained, kept))
+        out = torch.func.functional_call(wrapper, tensors, (input_ids, position_ids, *flat_past))
         # A retained buffer leaves as its value after the step (a copy: an ONNX output
         # must be a value of its own, not the input).
-        return (logits.unsqueeze(1), *[t for i in range(len(past)) for t in mode.updated[i]],
-                *[tensors[name].clone() for name in retained])
+        return (*out, *[tensors[f"model.{name}"].clone() for name in retained])
 
     batch, seq, ctx = 3, 5, 17  # distinct, not 0/1: every one stays a symbol
     ex_ids = torch.zeros(batch, seq, dtype=torch.long)
@@ -417,7 +441,7 @@ def _trace(model: nn.Module, layer_names: list[str], past_shapes: list[tuple[tup
     inputs = [("input", "input_ids"), ("input", "position_ids")] + [("past", i, j) for i, j in past_spec] + \
         [("retained", n) for n in retained] + [("weight", n) for n in weight_names]
     vocab = int(gm.graph.find_nodes(op="output")[0].args[0][0].meta["val"].shape[-1])
-    return _Trace(gm, inputs, recorded.get("stems", {}), len(past_shapes), vocab, list(retained))
+    return _Trace(gm, inputs, dict(wrapper.stems), len(past_shapes), vocab, list(retained))
 
 
 def _offsets(past_shapes: Sequence[Sequence[Any]]) -> list[int]:

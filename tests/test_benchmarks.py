@@ -62,3 +62,13 @@ def test_decode_latency_benchmark_smoke(tmp_path):
     assert set(result["step_ms"]["qaic"]) == {"prefill b1x128", "decode b1", "decode b8"}
     assert set(result["capacity_decode_b8_ms"]) == {"1x", "8x"}
     assert "decode b8 qaic / eager" in out
+
+
+def test_export_benchmark_smoke(tmp_path):
+    out = run_benchmark("export.py", tmp_path)
+    result = json.loads((tmp_path / "export_quick.json").read_text())
+    assert set(result["median"]) == {"layerwise", "whole", "direct"} and result["layers"] == [2, 4]
+    for method, by_layers in result["median"].items():
+        assert all(v["export_s"] > 0 and v["weights_s"] >= 0 for v in by_layers.values()), method
+    assert "layerwise(4)/layerwise(2) export time" in out and "direct(4)/layerwise(4) total time" in out
+    assert (tmp_path / "export_quick.png").stat().st_size > 1000
