@@ -47,7 +47,7 @@ import hashlib
 import json
 import os
 import re
-import shutil
+import shlex
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -76,6 +76,7 @@ __all__ = [
     "compile_command",
     "custom_io_yaml",
     "export_for_qaic",
+    "ort_generate",
     "retained_state_names",
     "specializations",
     "validate_kv_cache_prefix",
@@ -378,10 +379,13 @@ def _identity(engine_model: nn.Module) -> dict[str, Any]:
     config and a digest of its weights."""
     cfg = getattr(engine_model, "config", None) or getattr(getattr(engine_model, "hf", None), "config", None)
     cfg_dict = cfg.to_dict() if hasattr(cfg, "to_dict") else (dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else repr(cfg))
+    # A sample of every tensor (its ends, shape and dtype), not all of it: the hash names
+    # a directory that each export rewrites, it never lets an export be reused.
     h = hashlib.sha256()
     for name, t in engine_model.state_dict().items():
-        h.update(name.encode())
-        h.update(t.detach().contiguous().view(torch.uint8).flatten()[:4096].numpy().tobytes())
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(raw[:4096].numpy().tobytes() + raw[-4096:].numpy().tobytes())
     return {"class": type(engine_model).__name__, "config": cfg_dict, "weights": h.hexdigest()[:16]}
 
 
@@ -401,7 +405,6 @@ class _Trace:
     inputs: list[tuple]
     stems: dict[int, tuple[str, ...]]
     num_layers: int
-    vocab: int
     #: Non-KV retained-state buffers (I/O named after them, never prefixed).
     retained: list[str] = field(default_factory=list)
 
@@ -440,16 +443,7 @@ def _trace(model: nn.Module, layer_names: list[str], past_shapes: list[tuple[tup
         gm = aten_graph(forward, example, dynamic, opset)
     inputs = [("input", "input_ids"), ("input", "position_ids")] + [("past", i, j) for i, j in past_spec] + \
         [("retained", n) for n in retained] + [("weight", n) for n in weight_names]
-    vocab = int(gm.graph.find_nodes(op="output")[0].args[0][0].meta["val"].shape[-1])
-    return _Trace(gm, inputs, dict(wrapper.stems), len(past_shapes), vocab, list(retained))
-
-
-def _offsets(past_shapes: Sequence[Sequence[Any]]) -> list[int]:
-    out, k = [], 0
-    for shapes in past_shapes:
-        out.append(k)
-        k += len(shapes)
-    return out
+    return _Trace(gm, inputs, dict(wrapper.stems), len(past_shapes), list(retained))
 
 
 # --- ONNX assembly ---------------------------------------------------------------------------
@@ -489,21 +483,32 @@ def _name_dims(model: onnx.ModelProto) -> None:
                 d.dim_param = rename[d.dim_param]
 
 
-def _weight_initializers(model: onnx.ModelProto, weights: dict[str, torch.Tensor]) -> None:
-    """Weights (graph inputs, or names the stitched nodes read) become initializers
-    holding their values."""
-    from onnx import numpy_helper
+def _external_weights(model: onnx.ModelProto, weights: dict[str, torch.Tensor], data_path: Path) -> None:
+    """Weights (graph inputs, or names the stitched nodes read) become initializers whose
+    bytes are written straight from the tensors to ``data_path`` (ONNX external data),
+    once: putting them in the protobuf first and letting ``onnx.save`` move them out
+    copies every byte twice."""
+    from qaic_dynamo.artifact import ONNX_ELEMENT_TYPES
 
     keep = [v for v in model.graph.input if v.name not in weights]
     # Whole-model exports name them as inputs; stitched ones only reference them.
     used = ({v.name for v in model.graph.input} | {x for n in model.graph.node for x in n.input}) & set(weights)
     del model.graph.input[:]
     model.graph.input.extend(keep)
-    for name in sorted(used):
-        t = weights[name]
-        if t.dtype == torch.bfloat16:
-            raise ExportError("bfloat16 weights cannot be stored yet; export in float32 or float16 (dtype=...)")
-        model.graph.initializer.append(numpy_helper.from_array(t.contiguous().numpy(), name=name))
+    offset = 0
+    with open(data_path, "wb") as f:
+        for name in sorted(used):
+            t = weights[name].contiguous()
+            if t.dtype not in ONNX_ELEMENT_TYPES:
+                raise ExportError(f"weight {name} is {t.dtype}, which ONNX cannot store; cast the model first")
+            raw = t.reshape(-1).view(torch.uint8).numpy()
+            tensor = onnx.TensorProto(name=name, data_type=ONNX_ELEMENT_TYPES[t.dtype], dims=list(t.shape),
+                                      data_location=onnx.TensorProto.EXTERNAL)
+            for key, value in (("location", data_path.name), ("offset", str(offset)), ("length", str(raw.nbytes))):
+                tensor.external_data.add(key=key, value=value)
+            f.write(memoryview(raw))
+            offset += raw.nbytes
+            model.graph.initializer.append(tensor)
 
 
 def _whole_model(trace: _Trace, prefix: str | None, opset: int) -> tuple[onnx.ModelProto, list[str]]:
@@ -915,12 +920,9 @@ def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int =
 
     t0 = time.perf_counter()
     say("weights", 0, 1)
-    _weight_initializers(model_proto, weights)
     onnx_path = export_dir / ONNX_NAME
-    for stale in (onnx_path, export_dir / DATA_NAME):
-        stale.unlink(missing_ok=True)
-    onnx.save_model(model_proto, str(onnx_path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=DATA_NAME, size_threshold=0)
+    _external_weights(model_proto, weights, export_dir / DATA_NAME)
+    onnx.save_model(model_proto, str(onnx_path))
     seconds["weights"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     try:
@@ -958,16 +960,10 @@ def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int =
         compiled = True
     else:
         (export_dir / "compile.sh").write_text("#!/bin/sh\n# qaic-compile was not found here; run this where the "
-                                               "Qualcomm Cloud AI SDK is installed.\n" + shlex_join(cmd) + "\n")
+                                               "Qualcomm Cloud AI SDK is installed.\n" + shlex.join(cmd) + "\n")
     seconds["total"] = time.perf_counter() - t_start
     return ExportResult(onnx_path, inputs, outputs, custom_io, specs_path, cmd, export_dir, qpc_dir, compiled,
                         opts.layerwise, len(layer_names), seconds, log)
-
-
-def shlex_join(cmd: Sequence[str]) -> str:
-    import shlex
-
-    return shlex.join(cmd)
 
 
 # --- running the artifact on ONNX Runtime (validation) ------------------------------------------
@@ -990,8 +986,6 @@ def ort_generate(onnx_path: str | os.PathLike, prompts: Sequence[Sequence[int]],
     sess = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
     past_inputs = [i for i in sess.get_inputs() if i.name not in ("input_ids", "position_ids")]
     outputs = [o.name for o in sess.get_outputs()]
-    ctx_len = next(int(d) for i in past_inputs for d in [i.shape[2]] if isinstance(d, int)) if all(
-        isinstance(i.shape[2], int) for i in past_inputs) else None
 
     def empty(batch: int, ctx: int) -> dict[str, Any]:
         return {i.name: np.zeros([batch, i.shape[1], ctx, i.shape[3]], dtype=np.float32) for i in past_inputs}
@@ -1001,10 +995,8 @@ def ort_generate(onnx_path: str | os.PathLike, prompts: Sequence[Sequence[int]],
         new = {name[: -len(RETAINED_STATE_SUFFIX)]: v for name, v in zip(outputs[1:], res[1:])}
         return res[0][:, 0], new
 
-    longest = max(len(p) for p in prompts) + max_new_tokens
-    ctx = ctx_len or longest
-    if longest > ctx:
-        raise ExportError(f"prompt + new tokens ({longest}) exceed the model's ctx_len ({ctx})")
+    # ctx_len is a dynamic axis: the caches are sized for the longest sequence here.
+    ctx = max(len(p) for p in prompts) + max_new_tokens
     rows, firsts = [], []
     for prompt in prompts:
         past = empty(1, ctx)
