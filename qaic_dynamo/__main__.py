@@ -4,6 +4,9 @@
     qaic-dynamo cache info|list|clear       inspect or empty the persistent compile cache
     qaic-dynamo export --model M --out DIR  export M for a Cloud AI 100 card (retained-state
                                             ONNX, custom_io.yaml, specializations.json)
+    qaic-dynamo serve-disagg --model M --prompts FILE
+                                            serve a prompt file with prefill and decode in
+                                            separate processes (zero-copy KV hand-off)
 """
 
 from __future__ import annotations
@@ -71,23 +74,13 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def export_command(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from tqdm import tqdm
 
     from qaic_dynamo.export import ExportError, export_for_qaic, ort_generate
 
-    if Path(args.model).is_dir():
-        model: object = args.model
-    else:
-        from qaic_dynamo import demo
-
-        if args.model not in ("llama", "qwen2", "mistral", "mla"):
-            print(f"qaic-dynamo export: --model {args.model!r} is neither a built-in model "
-                  "(llama, qwen2, mistral, mla) nor a local directory", file=sys.stderr)
-            return 2
-        model = demo.build_model(argparse.Namespace(model=args.model, config=None, layers=args.layers,
-                                                    hidden_size=args.hidden_size, seed=args.seed))
+    model = _model_arg(args)
+    if model is None:
+        return 2
     bars: dict[str, tqdm] = {}
 
     def progress(stage: str, done: int, total: int) -> None:
@@ -137,6 +130,82 @@ def onnx_vocab(path: object) -> int:
     return out.type.tensor_type.shape.dim[-1].dim_value
 
 
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama",
+                   help="llama | qwen2 | mistral | mla (built-in configs, random weights) or a local model directory")
+    p.add_argument("--prompts", required=True,
+                   help="a file with one prompt per line, as whitespace-separated token ids")
+    p.add_argument("--layers", type=int, default=None, help="built-in models: number of layers (default 16)")
+    p.add_argument("--hidden-size", type=int, default=None, help="built-in models: hidden size (default 512)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--decode-slots", type=int, default=4)
+    p.add_argument("--ctx-len", type=int, default=256)
+    p.add_argument("--chunk-size", type=int, default=64, help="prefill chunk size")
+    p.add_argument("--transport", choices=["shm", "copy", "gloo"], default="shm")
+    p.add_argument("--kv-cache-prefix", default=None)
+    p.add_argument("--backend", choices=["qaic", "eager"], default="qaic")
+
+
+def _model_arg(args: argparse.Namespace) -> object | None:
+    from pathlib import Path
+
+    if Path(args.model).is_dir():
+        return args.model
+    if args.model not in ("llama", "qwen2", "mistral", "mla"):
+        print(f"qaic-dynamo: --model {args.model!r} is neither a built-in model (llama, qwen2, mistral, mla) "
+              "nor a local directory", file=sys.stderr)
+        return None
+    from qaic_dynamo import demo
+
+    return demo.build_model(argparse.Namespace(model=args.model, config=None, layers=args.layers,
+                                               hidden_size=args.hidden_size, seed=args.seed))
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from qaic_dynamo.serving import DisaggregatedServer, summarize
+
+    try:
+        lines = [ln.split() for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
+        prompts = [[int(t) for t in ln] for ln in lines]
+    except (OSError, ValueError) as e:
+        print(f"qaic-dynamo serve-disagg: cannot read prompts from {args.prompts}: {e} "
+              "(one prompt per line, whitespace-separated token ids)", file=sys.stderr)
+        return 2
+    if not prompts:
+        print(f"qaic-dynamo serve-disagg: {args.prompts} holds no prompt", file=sys.stderr)
+        return 2
+    model = _model_arg(args)
+    if model is None:
+        return 2
+    print(f"starting prefill and decode workers ({args.transport} hand-off, {args.decode_slots} decode slots, "
+          f"ctx_len {args.ctx_len}, backend {args.backend})", flush=True)
+    try:
+        with DisaggregatedServer(model, decode_slots=args.decode_slots, ctx_len=args.ctx_len,
+                                 chunk_size=args.chunk_size, transport=args.transport, backend=args.backend,
+                                 kv_cache_prefix=args.kv_cache_prefix) as server:
+            with tqdm(total=len(prompts), desc="requests", unit="req", leave=False) as bar:
+                results = server.generate(prompts, args.max_tokens, progress=lambda r: bar.update())
+    except ValueError as e:
+        print(f"qaic-dynamo serve-disagg: {e}", file=sys.stderr)
+        return 1
+    for r in results:
+        head = f"request {r.request_id:>3}  prompt {len(r.prompt):>4} tokens"
+        if r.error:
+            print(f"{head}  FAILED: {r.error}")
+        else:
+            print(f"{head}  TTFT {r.ttft * 1e3:8.1f} ms  tokens {r.token_ids}")
+    s = summarize(results)
+    print(f"summary: {s['requests']} requests, {s['failed']} failed; TTFT median {s['ttft_median_s'] * 1e3:.1f} ms, "
+          f"p90 {s['ttft_p90_s'] * 1e3:.1f} ms; decode {s['decode_tokens_per_s']:.1f} tokens/s; "
+          f"KV bytes moved per hand-off {s['kv_bytes_per_handoff']:,.0f}")
+    return 0 if not s["failed"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qaic-dynamo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -148,11 +217,14 @@ def main(argv: list[str] | None = None) -> int:
     cache.add_argument("action", choices=["info", "list", "clear"])
     cache.add_argument("--cache-dir", help="cache root (default: the backend's, see docs)")
     add_export_arguments(sub.add_parser("export", help="export a model for a Cloud AI 100 card"))
+    add_serve_arguments(sub.add_parser("serve-disagg", help="serve prompts with disaggregated prefill and decode"))
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo.run(args)
     if args.command == "export":
         return export_command(args)
+    if args.command == "serve-disagg":
+        return serve_command(args)
     return cache_command(args)
 
 

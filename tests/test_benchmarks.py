@@ -72,3 +72,14 @@ def test_export_benchmark_smoke(tmp_path):
         assert all(v["export_s"] > 0 and v["weights_s"] >= 0 for v in by_layers.values()), method
     assert "layerwise(4)/layerwise(2) export time" in out and "direct(4)/layerwise(4) total time" in out
     assert (tmp_path / "export_quick.png").stat().st_size > 1000
+
+
+def test_disagg_benchmark_smoke(tmp_path):
+    out = run_benchmark("disagg.py", tmp_path, "--backend", "eager")
+    result = json.loads((tmp_path / "disagg_quick.json").read_text())
+    assert set(result["median"]) == {"slicing", "copying", "gloo", "colocated"}
+    assert result["median"]["slicing"]["kv_bytes_per_handoff"] == 0
+    assert result["median"]["copying"]["kv_bytes_per_handoff"] > 0
+    assert result["median"]["gloo"]["kv_bytes_per_handoff"] == result["median"]["copying"]["kv_bytes_per_handoff"]
+    assert all(m["ttft_median_s"] > 0 and m["decode_tokens_per_s"] > 0 for m in result["median"].values())
+    assert "Disaggregated serving" in out

@@ -122,6 +122,9 @@ class HFCausalLM(nn.Module):
     run (see :func:`unsupported_attention_features`).
     """
 
+    #: The op registry's KV-cache update every layer calls (see ``qaic_attention_forward``).
+    kv_cache_update = "qaic::unified_kv_cache_update"
+
     def __init__(self, hf_model: nn.Module, layer_agnostic_kv_update: bool = True) -> None:
         super().__init__()
         register_qaic_attention()

@@ -109,6 +109,10 @@ class QaicCausalLM(nn.Module):
     """What the reference models share: embedding, decoder layers, final norm, head, RoPE,
     and the surface the engine drives (vocab_size, kv_cache_layers, kv_cache_shapes)."""
 
+    #: The op registry's KV-cache update every layer calls (its retained-state stems name
+    #: the caches in exports and disaggregated serving).
+    kv_cache_update = "qaic::unified_kv_cache_update"
+
     def __init__(self, cfg: QaicModelConfig, attention_cls: type[nn.Module], rope_dim: int) -> None:
         super().__init__()
         self.config = cfg

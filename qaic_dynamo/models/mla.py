@@ -92,6 +92,8 @@ class QaicMLAttention(nn.Module):
 
 
 class QaicMLAForCausalLM(QaicCausalLM):
+    kv_cache_update = "qaic::unified_mla_kv_cache_update"
+
     def __init__(self, cfg: QaicMLAConfig) -> None:
         super().__init__(cfg, QaicMLAttention, cfg.qk_rope_head_dim)
 

@@ -1,0 +1,222 @@
+"""Disaggregated prefill/decode (issue 12): the slicing spec, sessions, the zero-copy
+hand-off, the three transports, and the failure behaviour."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from qaic_dynamo import LLM
+from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM, QaicMLAConfig, QaicMLAForCausalLM
+from qaic_dynamo.serving import (
+    SHM_PREFIX,
+    DisaggregatedServer,
+    KVSliceError,
+    KVSliceSpec,
+    Session,
+    SharedKVBuffers,
+    kv_buffer_names,
+)
+
+CTX = 256
+
+
+def llama(layers: int = 2) -> QaicLlamaForCausalLM:
+    torch.manual_seed(0)
+    return QaicLlamaForCausalLM(QaicLlamaConfig(num_hidden_layers=layers, hidden_size=64, intermediate_size=128,
+                                                num_attention_heads=4, num_key_value_heads=2, vocab_size=256)).eval()
+
+
+def workload(n: int = 16, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """Prompt lengths from 1 to 200; some requests stop after one or two tokens."""
+    rng = random.Random(seed)
+    lengths = [1, 200] + [rng.randint(1, 200) for _ in range(n - 2)]
+    prompts = [[rng.randrange(256) for _ in range(k)] for k in lengths]
+    max_tokens = [rng.choice([1, 2, 5, 8, 8]) for _ in range(n)]
+    return prompts, max_tokens
+
+
+def eager_tokens(model, prompts, max_tokens, stop=()):
+    llm = LLM(model, backend="eager", max_num_seqs=1, max_model_len=CTX)
+    out = []
+    for p, n in zip(prompts, max_tokens):
+        toks = llm.generate([p], n)[0]
+        for i, t in enumerate(toks):
+            if t in stop:
+                toks = toks[: i + 1]
+                break
+        out.append(toks)
+    return out
+
+
+def shm_segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob(f"{SHM_PREFIX}*")}
+
+
+# --- the slicing spec ------------------------------------------------------------------------
+
+
+def test_buffer_names_follow_the_export_naming():
+    model = llama(2)
+    assert kv_buffer_names(model) == [["past_key.0", "past_value.0"], ["past_key.1", "past_value.1"]]
+    assert kv_buffer_names(model, "vllm")[1] == ["past_key.1_vllm", "past_value.1_vllm"]
+    torch.manual_seed(0)
+    assert kv_buffer_names(QaicMLAForCausalLM(QaicMLAConfig(num_hidden_layers=1)))[0] == ["compressed_kv.0", "k_pe.0"]
+    assert KVSliceSpec.for_model(model, "vllm").patterns == ("past_key.*_vllm", "past_value.*_vllm")
+
+
+def test_slice_spec_selects_validates_and_views_without_copies():
+    bufs = {"past_key.0": torch.zeros(4, 2, 16, 8), "past_value.0": torch.zeros(4, 2, 16, 8),
+            "vision_embeds": torch.zeros(4, 8)}
+    spec = KVSliceSpec()
+    assert spec.select(bufs) == ["past_key.0", "past_value.0"]  # never the vision buffer
+    views = spec.views(bufs, {"batch_index": 2, "ctx_start": 5})
+    v = views["past_key.0"]
+    assert v.shape == (1, 2, 11, 8) and v.data_ptr() == bufs["past_key.0"][2, 0, 5].data_ptr()
+    v.fill_(1.0)
+    assert bufs["past_key.0"][2, :, 5:].eq(1).all() and bufs["past_key.0"].sum() == 2 * 11 * 8
+    with pytest.raises(KVSliceError, match=r"pattern 'past_key\.\*_vllm' matches no buffer"):
+        KVSliceSpec(("past_key.*_vllm",)).select(bufs)
+    with pytest.raises(KVSliceError, match="slicing dim ctx_start=5 is out of range for past_key.0 of rank 4"):
+        KVSliceSpec(dims=(("ctx_start", 5),)).select(bufs)
+    with pytest.raises(KVSliceError, match=r"batch_index=4 is out of range for past_key.0 \(dim 0 has 4\)"):
+        spec.views(bufs, {"batch_index": 4})
+    with pytest.raises(KVSliceError, match=r"unknown slicing index \['head'\]"):
+        spec.views(bufs, {"head": 0})
+
+
+def test_session_roles_have_their_execution_slots():
+    model = llama(2)
+    assert len(Session(model, "prefill", num_slots=4, ctx_len=CTX, stages=3, backend="eager").execution_slots) == 4
+    assert len(Session(model, "decode", num_slots=4, ctx_len=CTX, backend="eager").execution_slots) == 1
+    with pytest.raises(ValueError, match="role must be 'prefill' or 'decode'"):
+        Session(model, "encode", num_slots=4, ctx_len=CTX)
+
+
+def test_prefill_writes_straight_into_the_decode_slot():
+    """set_data_with_slices binds the shared buffers themselves: the prefill run writes
+    slot 2 of them (same memory), no other slot changes, and nothing is copied."""
+    model = llama(2)
+    session = Session(model, "prefill", num_slots=4, ctx_len=CTX, backend="eager")
+    shared = SharedKVBuffers(session.buffer_shapes, torch.float32)
+    try:
+        views = session.set_data_with_slices(shared.tensors, {"batch_index": 2, "ctx_start": 0})
+        assert all(session.buffers[n].data_ptr() == shared.tensors[n].data_ptr() for n in shared.tensors)
+        assert views["past_key.0"].data_ptr() == shared.tensors["past_key.0"][2].data_ptr()
+        prompt = list(range(1, 40))
+        session.execution_slots[0].request = type("Job", (), {"request_id": 0, "prompt": prompt})()
+        done = []
+        while not done:
+            done = session.run_prefill_chunks(chunk_size=16)  # three chunks: 16 + 16 + 7 tokens
+        ref = LLM(model, backend="eager", max_model_len=CTX).generate([prompt], 1)[0][0]
+        assert done[0][1] == ref
+        for name, t in shared.tensors.items():
+            assert t[2, :, : len(prompt)].abs().sum() > 0 and t[2, :, len(prompt):].eq(0).all(), name
+            assert t[[0, 1, 3]].eq(0).all(), name
+    finally:
+        shared.close()
+        shared.unlink()
+    assert not shm_segments() & set(shared.segment_names)
+
+
+# --- the server ---------------------------------------------------------------------------------
+
+
+def test_disaggregated_tokens_equal_eager_with_a_zero_copy_hand_off():
+    model = llama(2)
+    prompts, max_tokens = workload(16)
+    stop = (prompts[3][0],)  # some requests may also stop on this token
+    before = shm_segments()
+    with DisaggregatedServer(model, decode_slots=4, ctx_len=CTX, chunk_size=64, backend="qaic") as server:
+        segments = set(server.buffers.segment_names)
+        assert segments <= shm_segments()
+        results = server.generate(prompts, max_tokens, stop_token_ids=stop)
+    assert shm_segments() == before and not segments & shm_segments()  # every segment unlinked
+    want = eager_tokens(model, prompts, max_tokens, stop)
+    assert [r.error for r in results] == [None] * 16
+    assert [r.token_ids for r in results] == want
+    assert all(r.kv_bytes_moved == 0 for r in results)  # slicing: nothing copied at the hand-off
+    assert all(r.ttft is not None and r.ttft > 0 for r in results)
+    assert any(len(t) < n for t, n in zip(want, max_tokens)) or any(n == 1 for n in max_tokens)
+
+
+@pytest.mark.parametrize("transport", ["copy", "gloo"])
+def test_copying_and_gloo_transports_give_the_same_tokens_and_count_bytes(transport):
+    model = llama(2)
+    prompts, max_tokens = workload(6, seed=1)
+    with DisaggregatedServer(model, decode_slots=2, ctx_len=CTX, transport=transport, backend="eager",
+                             gloo_init_method=f"tcp://127.0.0.1:{29600 + os.getpid() % 1000}") as server:
+        results = server.generate(prompts, max_tokens)
+    assert [r.token_ids for r in results] == eager_tokens(model, prompts, max_tokens)
+    slot_bytes = 2 * 2 * 2 * CTX * 16 * 4  # layers x (key, value) x kv heads x ctx_len x head_dim x fp32
+    assert all(r.kv_bytes_moved == slot_bytes for r in results)
+
+
+def test_killing_the_prefill_worker_fails_its_request_and_decode_serves_the_rest():
+    model = llama(2)
+    prompts = [[7] * 5, [8] * 6, [9] * 180, [10] * 4, [11] * 3]
+    max_tokens = [40, 40, 4, 4, 4]
+    with DisaggregatedServer(model, decode_slots=4, ctx_len=CTX, chunk_size=8, backend="eager",
+                             chunk_delay=0.05) as server:
+        def killer():
+            # Two short requests are decoding; the 180-token prompt is mid-prefill
+            # (23 chunks of 8, 50 ms each).
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if sum(r.ttft is not None for r in server.results.values()) >= 2:
+                    time.sleep(0.3)
+                    os.kill(server.prefill_pid, signal.SIGKILL)
+                    return
+                time.sleep(0.01)
+
+        t = threading.Thread(target=killer)
+        t.start()
+        results = server.generate(prompts, max_tokens)
+        t.join()
+        assert server.restarts == 1
+    assert results[2].error is not None and "prefill worker died (exit code -9)" in results[2].error
+    want = eager_tokens(model, prompts, max_tokens)
+    for i in (0, 1, 3, 4):  # the decoding ones kept going; the queued ones went to the new worker
+        assert results[i].error is None and results[i].token_ids == want[i], i
+
+
+def test_an_exception_inside_the_server_still_unlinks_shared_memory():
+    before = shm_segments()
+    with pytest.raises(RuntimeError, match="boom"):
+        with DisaggregatedServer(llama(2), decode_slots=2, ctx_len=64, backend="eager") as server:
+            assert set(server.buffers.segment_names) <= shm_segments()
+            raise RuntimeError("boom")
+    assert shm_segments() == before
+
+
+def test_a_request_that_does_not_fit_is_rejected_before_any_write():
+    with DisaggregatedServer(llama(2), decode_slots=2, ctx_len=64, backend="eager") as server:
+        with pytest.raises(ValueError, match=r"prompt \(60 tokens\) \+ max_tokens=8 would not fit in a slot's ctx_len=64"):
+            server.generate([[1, 2, 3], [5] * 60], 8)
+        assert all(t.eq(0).all() for t in server.buffers.tensors.values())  # not even the valid one ran
+        assert server.results == {}
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            server.generate([[999]], 2)
+
+
+def test_cli_serves_a_prompt_file(tmp_path, capsys):
+    from qaic_dynamo.__main__ import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("1 2 3 4\n\n5 6\n" + " ".join(["7"] * 30) + "\n")
+    rc = main(["serve-disagg", "--model", "llama", "--layers", "2", "--hidden-size", "64", "--prompts", str(prompts),
+               "--max-tokens", "3", "--decode-slots", "2", "--ctx-len", "64", "--backend", "eager"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out.count("TTFT") >= 3 and "summary: 3 requests, 0 failed" in out and "KV bytes moved per hand-off 0" in out
+    bad = tmp_path / "bad.txt"
+    bad.write_text("1 two 3\n")
+    assert main(["serve-disagg", "--prompts", str(bad)]) == 2
+    assert "whitespace-separated token ids" in capsys.readouterr().err
