@@ -173,8 +173,9 @@ class SharedKVBuffers:
                 if _attach is None:
                     seg = shared_memory.SharedMemory(create=True, size=nbytes, name=f"{SHM_PREFIX}{os.getpid()}_{tag}_{k}")
                 else:
+                    # Workers are spawned by the server and share its resource tracker,
+                    # so attaching adds nothing the server's unlink does not remove.
                     seg = shared_memory.SharedMemory(name=_attach[name], create=False)
-                    _untrack(seg)
                 self._segments[name] = seg
                 t = torch.frombuffer(seg.buf, dtype=dtype, count=math.prod(shape)).view(shape)
                 if _attach is None:
@@ -214,17 +215,6 @@ class SharedKVBuffers:
                 seg.unlink()
             except FileNotFoundError:
                 pass
-
-
-def _untrack(seg: shared_memory.SharedMemory) -> None:
-    """An attaching process must not unlink the creator's segment when it exits (Python's
-    resource tracker would, for every segment a process opened)."""
-    try:
-        from multiprocessing import resource_tracker
-
-        resource_tracker.unregister(seg._name, "shared_memory")  # noqa: SLF001  (the stdlib's own name)
-    except Exception:
-        pass
 
 
 # --- sessions ---------------------------------------------------------------------------------
