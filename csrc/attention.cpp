@@ -39,7 +39,8 @@ struct DecodeRow {
 template <typename scalar_t>
 void decode_attention(
     const std::vector<DecodeRow>& rows, const at::Tensor& query, const at::Tensor& key_cache,
-    const at::Tensor& value_cache, const at::Tensor* extra_key_cache, float scale, at::Tensor& out) {
+    const at::Tensor& value_cache, const at::Tensor* extra_key_cache, float scale, float softcap,
+    const float* sinks, at::Tensor& out) {
   const int64_t hq = query.size(1), dq = query.size(2);
   const int64_t hkv = key_cache.size(1), bs = key_cache.size(2), dk = key_cache.size(3);
   const int64_t dv = value_cache.size(3), de = extra_key_cache ? extra_key_cache->size(3) : 0;
@@ -70,10 +71,14 @@ void decode_attention(
           const scalar_t* e = ec + slot * de;
           for (int64_t d = 0; d < de; ++d) dot += float(qh[dk + d]) * float(e[d]);
         }
-        scores[i] = dot * scale;
-        mx = std::max(mx, scores[i]);
+        float s = dot * scale;
+        if (softcap > 0.f) s = std::tanh(s / softcap) * softcap;
+        scores[i] = s;
+        mx = std::max(mx, s);
       }
-      float sum = 0.f;
+      // A sink is one more logit in the softmax denominator, with no value.
+      if (sinks != nullptr) mx = std::max(mx, sinks[h]);
+      float sum = sinks != nullptr ? std::exp(sinks[h] - mx) : 0.f;
       for (int64_t i = 0; i < n; ++i) {
         scores[i] = std::exp(scores[i] - mx);
         sum += scores[i];
@@ -142,7 +147,8 @@ at::Tensor gather_sequence(
 at::Tensor paged_attention(
     const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
     const std::optional<at::Tensor>& extra_key_cache, std::optional<double> scale,
-    std::optional<int64_t> sliding_window, const char* op) {
+    std::optional<int64_t> sliding_window, const char* op, std::optional<double> softcap,
+    const std::optional<at::Tensor>& sinks) {
   const ForwardContext& ctx = current_forward_context(op);
   const AttentionMetadata& md = ctx.attn_metadata();
   md.require_attention(op);
@@ -167,6 +173,21 @@ at::Tensor paged_attention(
   TORCH_CHECK(
       !sliding_window || *sliding_window > 0, op, ": sliding_window must be positive, got ",
       sliding_window.value_or(0));
+  TORCH_CHECK(
+      !softcap || *softcap > 0, op, ": softcap must be positive, got ", softcap.value_or(0));
+  at::Tensor sinks_f;  // [num_heads] float32, contiguous
+  if (sinks) {
+    TORCH_CHECK(
+        sinks->dim() == 1 && sinks->size(0) == query.size(1), op,
+        ": sinks must be [num_heads] = [", query.size(1), "], got ", sinks->sizes());
+    TORCH_CHECK(
+        sinks->is_floating_point(), op, ": sinks must be floating point, got ", sinks->scalar_type());
+    TORCH_CHECK(
+        sinks->device() == query.device(), op, ": sinks are on ", sinks->device(),
+        " but query is on ", query.device());
+    sinks_f = sinks->to(at::kFloat).contiguous();
+  }
+  const bool plain = !softcap && !sinks;  // SDPA serves the rest
 
   const int64_t num_seqs = md.num_seqs();
   const int64_t total = md.query_start_loc_host[num_seqs];
@@ -230,9 +251,41 @@ at::Tensor paged_attention(
       mask = allowed;
     }
     at::Tensor q = query.narrow(0, q0, n).transpose(0, 1).unsqueeze(0);  // [1, Hq, n, D]
-    at::Tensor o = at::scaled_dot_product_attention(
-        q, k.unsqueeze(0), v.unsqueeze(0), mask, 0.0, causal, scale, gqa);
-    out.narrow(0, q0, n).copy_(o.squeeze(0).transpose(0, 1));
+    if (plain) {
+      at::Tensor o = at::scaled_dot_product_attention(
+          q, k.unsqueeze(0), v.unsqueeze(0), mask, 0.0, causal, scale, gqa);
+      out.narrow(0, q0, n).copy_(o.squeeze(0).transpose(0, 1));
+      continue;
+    }
+    // Soft-capping and sinks change the logits SDPA computes internally: spelled out, in
+    // float32, with the same mask.
+    at::Tensor qf = q.squeeze(0).to(at::kFloat);  // [Hq, n, D]
+    at::Tensor kf = k.to(at::kFloat), vf = v.to(at::kFloat);  // [Hkv, L, D]
+    if (gqa) {
+      kf = kf.repeat_interleave(query.size(1) / kv_heads, 0);
+      vf = vf.repeat_interleave(query.size(1) / kv_heads, 0);
+    }
+    const double sm = scale.value_or(1.0 / std::sqrt(double(query.size(2))));
+    at::Tensor scores = at::matmul(qf, kf.transpose(1, 2)) * sm;  // [Hq, n, L]
+    if (softcap) {
+      scores = at::tanh(scores / *softcap) * *softcap;
+    }
+    if (!mask && causal) {
+      mask = at::ones({n, kv_len}, at::kBool).tril();
+    }
+    if (mask) {
+      scores = scores.masked_fill(mask->logical_not(), -std::numeric_limits<float>::infinity());
+    }
+    if (sinks) {
+      at::Tensor sink = sinks_f.view({-1, 1, 1}).expand({scores.size(0), n, 1});
+      scores = at::cat({scores, sink}, -1);
+    }
+    at::Tensor probs = at::softmax(scores, -1);
+    if (sinks) {
+      probs = probs.narrow(-1, 0, kv_len);
+    }
+    at::Tensor o = at::matmul(probs, vf);  // [Hq, n, Dv]
+    out.narrow(0, q0, n).copy_(o.transpose(0, 1));
   }
   if (!decode_rows.empty()) {
     const at::Tensor q = query.contiguous();
@@ -240,7 +293,8 @@ at::Tensor paged_attention(
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "decode_attention", [&] {
       decode_attention<scalar_t>(
           decode_rows, q, key_cache, value_cache,
-          extra_key_cache ? &extra_key_cache.value() : nullptr, sm_scale, out);
+          extra_key_cache ? &extra_key_cache.value() : nullptr, sm_scale,
+          static_cast<float>(softcap.value_or(0.0)), sinks ? sinks_f.const_data_ptr<float>() : nullptr, out);
     });
   }
   return out;

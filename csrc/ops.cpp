@@ -69,7 +69,8 @@ at::Tensor unified_attention(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     c10::string_view layer_name, std::optional<double> scale,
     std::optional<int64_t> sliding_window,
-    const std::optional<at::Tensor>& /*kv_cache_dependency*/) {
+    const std::optional<at::Tensor>& /*kv_cache_dependency*/, std::optional<double> softcap,
+    const std::optional<at::Tensor>& sinks) {
   constexpr const char* op = "unified_attention";
   const ForwardContext& ctx = current_forward_context(op);
   const LayerCaches& c =
@@ -82,7 +83,7 @@ at::Tensor unified_attention(
       op, ": key ", key.sizes(), " / value ", value.sizes(),
       " do not match layer '", std::string(layer_name), "' caches ", c[0].sizes(), " / ",
       c[1].sizes());
-  return paged_attention(query, c[0], c[1], std::nullopt, scale, sliding_window, op);
+  return paged_attention(query, c[0], c[1], std::nullopt, scale, sliding_window, op, softcap, sinks);
 }
 
 at::Tensor unified_mla_attention(
@@ -195,8 +196,8 @@ TORCH_LIBRARY(qaic, m) {
       "-> Tensor");
   m.def(
       "unified_attention(Tensor query, Tensor key, Tensor value, str layer_name, "
-      "float? scale=None, int? sliding_window=None, Tensor? kv_cache_dependency=None) "
-      "-> Tensor");
+      "float? scale=None, int? sliding_window=None, Tensor? kv_cache_dependency=None, "
+      "float? softcap=None, Tensor? sinks=None) -> Tensor");
   m.def(
       "unified_mla_attention(Tensor q_latent, Tensor q_pe, str layer_name, float scale, "
       "Tensor? kv_cache_dependency=None) -> Tensor");

@@ -17,6 +17,8 @@ void reshape_and_cache(
 at::Tensor paged_attention(
     const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
     const std::optional<at::Tensor>& extra_key_cache, std::optional<double> scale,
-    std::optional<int64_t> sliding_window, const char* op);
+    std::optional<int64_t> sliding_window, const char* op,
+    std::optional<double> softcap = std::nullopt,
+    const std::optional<at::Tensor>& sinks = std::nullopt);
 
 }  // namespace qaic

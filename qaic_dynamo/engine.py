@@ -1,8 +1,16 @@
 """``LLM``: a small paged-KV inference engine over the qaic ops.
 
-    from qaic_dynamo import LLM
+    from qaic_dynamo import LLM, SamplingParams
     llm = LLM(model, backend="qaic", max_num_seqs=8, max_model_len=512, block_size=16)
-    out = llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], max_new_tokens=16)  # greedy
+    out = llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], 16)       # greedy token ids, 16 each
+    outs = llm.generate(["a prompt"], SamplingParams(max_tokens=32, temperature=0.8, seed=0))
+    outs[0].text, outs[0].token_ids                             # with a tokenizer (model dir)
+
+``generate(prompts, n)`` with an int is greedy and returns exactly ``n`` new token ids per
+prompt; with ``SamplingParams`` (one, or one per prompt) it returns ``RequestOutput``s
+(token ids, text when there is a tokenizer, finish reason) and stops at EOS and stop
+tokens (see :mod:`qaic_dynamo.sampling`). Prompts are token-id lists or, with a
+tokenizer, strings.
 
 What it does, per step: schedules the waiting and running requests into one flat batch
 (new prompts are prefilled whole, running ones decode one token, mixed freely), builds
@@ -56,6 +64,12 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     #: Logits each generated token was chosen from (only with ``generate(..., return_logits=True)``).
     logits: list[torch.Tensor] | None = None
+    #: The generated tokens as text (special tokens skipped), when the LLM has a tokenizer.
+    text: str | None = None
+    #: The prompt as given, when it was text.
+    prompt: str | None = None
+    #: "length" (max_tokens reached) or "stop" (EOS or a stop token).
+    finish_reason: str | None = None
 
 
 @dataclass
@@ -77,6 +91,10 @@ class Request:
     num_computed_tokens: int = 0
     #: The logits row of every generated token, when the caller keeps them.
     logits: list[torch.Tensor] | None = None
+    #: How to pick its tokens (None: greedy, exactly max_new_tokens).
+    params: Any = None
+    #: Set when a stop token (or EOS) ended it before max_new_tokens.
+    stopped: bool = False
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -93,7 +111,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return len(self.output_token_ids) >= self.max_new_tokens
+        return self.stopped or len(self.output_token_ids) >= self.max_new_tokens
 
 
 class LLM:
@@ -121,6 +139,10 @@ class LLM:
             ``torch.compile(model, backend="qaic")`` (Dynamo traces every layer).
         dtype: run the model and the caches in this dtype; a model of another dtype is
             cast into the engine's own copy of its weights (the given model is unchanged).
+        tokenizer: a tokenizer (anything with ``encode``/``decode``, e.g. transformers'),
+            or a path to load one from with ``AutoTokenizer``; by default it is loaded from
+            the model directory when the model is one and has tokenizer files.
+        seed: seed of the generator shared by requests sampled without a seed of their own.
 
     Raises NotImplementedError, before anything is traced, for a model whose attention the
     qaic ops do not implement (e.g. logit soft-capping, attention sinks).
@@ -139,8 +161,11 @@ class LLM:
         compile_options: dict[str, Any] | None = None,
         dtype: torch.dtype | None = None,
         regional: bool = True,
+        tokenizer: Any = None,
+        seed: int = 0,
     ) -> None:
         from qaic_dynamo.models import load_model
+        from qaic_dynamo.sampling import Sampler
 
         if backend not in BACKENDS:
             raise ValueError(f"LLM: backend must be one of {list(BACKENDS)}, got {backend!r}")
@@ -174,6 +199,22 @@ class LLM:
         else:
             self._fn = torch.compile(self.model, backend="inductor")
         self.stats: dict[str, float] = {}
+        self.tokenizer = _load_tokenizer(model, tokenizer)
+        self.sampler = Sampler(self._eos_token_ids(), seed)
+
+    def _eos_token_ids(self) -> list[int]:
+        """The model's EOS token(s): its generation or model config, else the tokenizer's."""
+        ids: list[int] = []
+        cfg = getattr(getattr(self.model, "hf", None), "config", None) or getattr(self.model, "config", None)
+        gen = getattr(getattr(self.model, "hf", None), "generation_config", None)
+        for source in (gen, cfg):
+            eos = getattr(source, "eos_token_id", None)
+            if eos is not None:
+                ids = [eos] if isinstance(eos, int) else list(eos)
+                break
+        if not ids and self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
+            ids = [self.tokenizer.eos_token_id]
+        return ids
 
     # -- KV blocks ------------------------------------------------------------------------
     @property
@@ -202,9 +243,7 @@ class LLM:
         request.block_ids = []
 
     # -- validation -----------------------------------------------------------------------
-    def _validate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"generate: max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    def _validate(self, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int]) -> None:
         if len(prompts) == 0:
             raise ValueError("generate: no prompts given")
         if len(prompts) > self.max_num_seqs:
@@ -213,7 +252,7 @@ class LLM:
                 f"{self.max_num_seqs} per call or create the LLM with a larger max_num_seqs"
             )
         vocab = self.model.vocab_size
-        for i, p in enumerate(prompts):
+        for i, (p, max_new_tokens) in enumerate(zip(prompts, max_tokens)):
             if len(p) == 0:
                 raise ValueError(f"generate: prompt {i} is empty; every prompt needs at least one token")
             bad = [t for t in p if not isinstance(t, int) or not 0 <= t < vocab]
@@ -238,22 +277,63 @@ class LLM:
                 )
 
     # -- generation -----------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16) -> list[list[int]]:
-        """Greedy-generate ``max_new_tokens`` tokens for each prompt; returns the new tokens."""
-        return [o.token_ids for o in self.generate_outputs(prompts, max_new_tokens)]
+    def generate(self, prompts: Sequence[Any], params: Any = 16) -> Any:
+        """Generate for every prompt (token-id lists, or strings with a tokenizer).
+
+        ``params`` an int ``n``: greedy, exactly ``n`` new tokens each, returned as token-id
+        lists (no EOS stop). ``params`` a ``SamplingParams`` (or one per prompt): returns
+        ``RequestOutput``s with token ids, text (with a tokenizer) and finish reason.
+        """
+        from qaic_dynamo.sampling import SamplingParams
+
+        if isinstance(params, int) and not isinstance(params, bool):
+            return [o.token_ids for o in self.generate_outputs(prompts, params)]
+        per = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(per) != len(prompts) or not all(isinstance(p, SamplingParams) for p in per):
+            raise TypeError("generate: params must be an int (greedy max_new_tokens), a SamplingParams, or one "
+                            f"SamplingParams per prompt ({len(prompts)}); got {params!r}")
+        return self._generate(prompts, per, return_logits=False)
 
     @torch.no_grad()
     def generate_outputs(
-        self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 16, return_logits: bool = False
+        self, prompts: Sequence[Any], max_new_tokens: int = 16, return_logits: bool = False
     ) -> list[RequestOutput]:
-        """Like :meth:`generate`, as ``RequestOutput``s, with the logits of every generated
-        token when ``return_logits``. If a step raises, every block is released before the
-        exception propagates, and the engine can be used again."""
-        prompts = [list(p) for p in prompts]
-        self._validate(prompts, max_new_tokens)
+        """Greedy, exactly ``max_new_tokens`` tokens each, as ``RequestOutput``s, with the
+        logits of every generated token when ``return_logits``."""
+        from qaic_dynamo.sampling import SamplingParams
+
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"generate: max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        greedy = SamplingParams(max_tokens=max_new_tokens, temperature=0, ignore_eos=True)
+        return self._generate(prompts, [greedy] * len(prompts), return_logits)
+
+    def _token_ids(self, prompts: Sequence[Any]) -> list[list[int]]:
+        out = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError(
+                        f"generate: prompt {i} is text but this LLM has no tokenizer; pass token ids, or "
+                        "LLM(model, tokenizer=...) (a tokenizer or a path to one), or a model directory that "
+                        "holds tokenizer files"
+                    )
+                out.append(list(self.tokenizer.encode(p)))
+            else:
+                out.append(list(p))
+        return out
+
+    @torch.no_grad()
+    def _generate(self, prompts: Sequence[Any], params: list[Any], return_logits: bool) -> list[RequestOutput]:
+        """Every generation path: continuous batching, one sampler per request. If a step
+        raises, every block is released before the exception propagates, and the engine
+        can be used again."""
+        ids = self._token_ids(prompts)
+        self._validate(ids, [p.max_tokens for p in params])
         requests = [
-            Request(i, p, max_new_tokens, logits=[] if return_logits else None) for i, p in enumerate(prompts)
+            Request(i, p, sp.max_tokens, logits=[] if return_logits else None, params=sp)
+            for i, (p, sp) in enumerate(zip(ids, params))
         ]
+        generators = [self.sampler.generator(sp) for sp in params]
         waiting = collections.deque(requests)
         running: list[Request] = []
         t0 = time.perf_counter()
@@ -268,7 +348,9 @@ class LLM:
                 for req, row in zip(running, logits):
                     tokens += req.num_tokens - req.num_computed_tokens
                     req.num_computed_tokens = req.num_tokens
-                    req.output_token_ids.append(int(row.argmax()))
+                    tok = self.sampler.pick(row, req.params, generators[req.request_id])
+                    req.output_token_ids.append(tok)
+                    req.stopped = self.sampler.is_stop_token(tok, req.params)
                     if req.logits is not None:
                         req.logits.append(row.clone())
                 for req in [r for r in running if r.is_finished]:
@@ -278,7 +360,15 @@ class LLM:
             for req in requests:
                 self.release_blocks(req)
         self.stats = {"steps": steps, "tokens": tokens, "seconds": time.perf_counter() - t0}
-        return [RequestOutput(r.prompt_token_ids, r.output_token_ids, r.logits) for r in requests]
+        return [
+            RequestOutput(
+                r.prompt_token_ids, r.output_token_ids, r.logits,
+                text=self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True) if self.tokenizer else None,
+                prompt=prompts[r.request_id] if isinstance(prompts[r.request_id], str) else None,
+                finish_reason="stop" if r.stopped else "length",
+            )
+            for r in requests
+        ]
 
     def _admit(self, waiting: collections.deque[Request], running: list[Request]) -> None:
         """Move waiting requests in while there are slots and free blocks (FIFO)."""
@@ -327,3 +417,23 @@ class LLM:
         with torch.no_grad(), set_forward_context(md, self.kv_caches, self.kv_cache_layers):
             logits = self._fn(input_ids, pos, logits_indices)
         return logits[: len(requests)]
+
+
+def _load_tokenizer(model: Any, tokenizer: Any) -> Any:
+    """The tokenizer given, loaded from the path given, or the model directory's own."""
+    import os
+    from pathlib import Path
+
+    if tokenizer is None:
+        if isinstance(model, (str, os.PathLike)) and Path(model).is_dir() and any(
+                (Path(model) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+            tokenizer = model
+        else:
+            return None
+    if isinstance(tokenizer, (str, os.PathLike)):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+    if not (hasattr(tokenizer, "encode") and hasattr(tokenizer, "decode")):
+        raise TypeError(f"LLM: tokenizer must have encode/decode or be a path, got {type(tokenizer).__name__}")
+    return tokenizer

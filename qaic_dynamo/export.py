@@ -305,13 +305,23 @@ class RetainedStateKV(TorchFunctionMode):
             allowed = allowed & (key_pos > pos - sliding_window)
         return allowed.unsqueeze(1)
 
-    def _softmax_attend(self, scores: torch.Tensor, allowed: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def _softmax_attend(self, scores: torch.Tensor, allowed: torch.Tensor, value: torch.Tensor,
+                        softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        scores = scores.float()
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         # A finite minimum, not -inf: a padded row (nothing visible) gets a uniform, finite
         # softmax instead of NaN; its output is never read.
-        scores = scores.float().masked_fill(~allowed, torch.finfo(torch.float32).min)
-        return torch.softmax(scores, dim=-1).to(value.dtype) @ value
+        scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
+        if sinks is not None:  # one more logit per head in the denominator, with no value
+            sink = sinks.float().view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        return probs.to(value.dtype) @ value
 
-    def _attention(self, query, key, value, layer_name, scale=None, sliding_window=None, kv_cache_dependency=None):
+    def _attention(self, query, key, value, layer_name, scale=None, sliding_window=None, kv_cache_dependency=None,
+                   softcap=None, sinks=None):
         i = self._layer(layer_name, "attention")
         k, v = self._read(i)
         q = self._to_bhsd(query)  # [B, Hq, S, D]
@@ -320,7 +330,7 @@ class RetainedStateKV(TorchFunctionMode):
             k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
         scale = scale if scale is not None else q.shape[-1] ** -0.5
         scores = (q @ k.transpose(-1, -2)) * scale
-        return self._from_bhsd(self._softmax_attend(scores, self._mask(k.shape[2], sliding_window), v))
+        return self._from_bhsd(self._softmax_attend(scores, self._mask(k.shape[2], sliding_window), v, softcap, sinks))
 
     def _mla_attention(self, q_latent, q_pe, layer_name, scale, kv_cache_dependency=None):
         i = self._layer(layer_name, "attention")

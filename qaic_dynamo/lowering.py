@@ -167,13 +167,34 @@ def sizes_from_tensors(rw: _Rewrite) -> None:
             continue
         if ph.users:
             expr = a.node.expr
-            if expr not in rw.sym_source:
-                raise LoweringError(f"symbolic input '{rw.orig_of[ph].name}' = {expr} is not a dimension of any tensor input")
-            j, d = rw.sym_source[expr]
+            missing = sorted(str(s) for s in expr.free_symbols if s not in rw.sym_source)
+            if missing:
+                raise LoweringError(f"symbolic input '{rw.orig_of[ph].name}' = {expr} uses {missing}, which no "
+                                    "tensor input carries as a dimension")
             with g.inserting_before(rw.first_body):
-                size = g.call_function(torch.ops.aten.sym_size.int, (rw.placeholders[j], d))
+                size = _size_expression(g, expr, rw)
             ph.replace_all_uses_with(size)
         g.erase_node(ph)
+
+
+def _size_expression(g: fx.Graph, expr: sympy.Expr, rw: _Rewrite) -> Any:
+    """FX nodes computing a size expression (e.g. ``2*s0``, an MoE layer's tokens x top-k)
+    from the tensor dims that carry its symbols."""
+    if isinstance(expr, sympy.Symbol):
+        j, d = rw.sym_source[expr]
+        return g.call_function(torch.ops.aten.sym_size.int, (rw.placeholders[j], d))
+    if isinstance(expr, sympy.Integer):
+        return int(expr)
+    combine = {sympy.Mul: operator.mul, sympy.Add: operator.add}.get(type(expr))
+    if combine is None and type(expr).__name__ == "FloorDiv":
+        return g.call_function(operator.floordiv, tuple(_size_expression(g, a, rw) for a in expr.args))
+    if combine is None:
+        raise LoweringError(f"cannot compute the size expression {expr} from tensor dims")
+    out = None
+    for arg in expr.args:
+        term = _size_expression(g, arg, rw)
+        out = term if out is None else g.call_function(combine, (out, term))
+    return out
 
 
 def kv_updates_to_retained_state(rw: _Rewrite) -> None:

@@ -32,8 +32,10 @@ Op contracts (shapes use T = tokens, H = heads, D = head size):
 * ``unified_mla_kv_cache_update(kv_c_normed[T,R], k_pe[T,P] | [T,1,P], layer_name) -> dep``:
   the same for MLA latent caches ``(compressed_kv[N,1,B,R], k_pe[N,1,B,P])``.
 * ``unified_attention(query[T,Hq,D], key, value, layer_name, scale=None,
-  sliding_window=None, kv_cache_dependency=None) -> [T,Hq,Dv]``: causal attention of each
-  sequence's new tokens over its cached tokens (GQA when Hq > Hkv). A splitting op.
+  sliding_window=None, kv_cache_dependency=None, softcap=None, sinks=None) -> [T,Hq,Dv]``:
+  causal attention of each sequence's new tokens over its cached tokens (GQA when Hq >
+  Hkv), with optional logit soft-capping (``tanh(s / softcap) * softcap``) and attention
+  sinks (``sinks[Hq]``, a per-head logit in the softmax denominator). A splitting op.
 * ``unified_mla_attention(q_latent[T,H,R], q_pe[T,H,P], layer_name, scale,
   kv_cache_dependency=None) -> [T,H,R]``: absorbed MLA attention. A splitting op.
 """
@@ -212,10 +214,14 @@ def unified_attention(
     scale: float | None = None,
     sliding_window: int | None = None,
     kv_cache_dependency: torch.Tensor | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Paged causal attention of the batch's new tokens over the layer's cache."""
+    """Paged causal attention of the batch's new tokens over the layer's cache; logits
+    soft-capped as ``tanh(s / softcap) * softcap`` when given, and ``sinks[h]`` (one
+    learned logit per head) joining each softmax denominator when given."""
     return torch.ops.qaic.unified_attention(
-        query, key, value, layer_name, scale, sliding_window, kv_cache_dependency
+        query, key, value, layer_name, scale, sliding_window, kv_cache_dependency, softcap, sinks
     )
 
 
@@ -280,7 +286,7 @@ def _unified_mla_kv_cache_update_fake(kv_c_normed, k_pe, layer_name):
 
 @torch.library.register_fake("qaic::unified_attention")
 def _unified_attention_fake(
-    query, key, value, layer_name, scale=None, sliding_window=None, kv_cache_dependency=None
+    query, key, value, layer_name, scale=None, sliding_window=None, kv_cache_dependency=None, softcap=None, sinks=None
 ):
     return query.new_empty((query.shape[0], query.shape[1], value.shape[-1]))
 

@@ -42,8 +42,10 @@ def ref_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
     return kc, vc
 
 
-def ref_causal_attention(q, k, v, scale=None, sliding_window=None):
-    """Reference for one sequence: q [n, Hq, D] are the last n of L positions, k/v [L, Hkv, D]."""
+def ref_causal_attention(q, k, v, scale=None, sliding_window=None, softcap=None, sinks=None):
+    """Reference for one sequence: q [n, Hq, D] are the last n of L positions, k/v [L, Hkv, D];
+    ``softcap``: logits become tanh(s / softcap) * softcap; ``sinks`` [Hq]: one more logit per
+    head in the softmax denominator (no value)."""
     n, L = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
@@ -53,8 +55,16 @@ def ref_causal_attention(q, k, v, scale=None, sliding_window=None):
     mask = kpos <= pos
     if sliding_window is not None:
         mask &= kpos > pos - sliding_window
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(),
-        attn_mask=mask, scale=scale,
-    )
+    qf, kf, vf = (t.transpose(0, 1).float() for t in (q, k, v))
+    if softcap is None and sinks is None:
+        out = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=scale)
+        return out.transpose(0, 1).to(q.dtype)
+    s = qf @ kf.transpose(1, 2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.float().view(-1, 1, 1).expand(-1, n, 1)], dim=-1)
+    p = torch.softmax(s, dim=-1)[..., :L]
+    out = p @ vf
     return out.transpose(0, 1).to(q.dtype)

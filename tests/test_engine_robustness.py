@@ -160,19 +160,9 @@ def test_reference_model_state_is_unchanged():
     assert per_layer.generate(PROMPTS, 3) == LLM(llama_reference(3), backend="eager").generate(PROMPTS, 3)
 
 
-# -- 3. unsupported attention features are refused up front --------------------------------
+# -- 3. Gemma2 final-logit soft-capping (attention soft-capping: tests/test_new_families.py) --
 def gemma2(**kw):
     return hf_model_from_config(Gemma2Config(num_hidden_layers=2, head_dim=16, **SMALL, **kw))
-
-
-@pytest.mark.parametrize("backend", ["eager", "qaic"])
-def test_attention_soft_capping_is_refused_when_the_engine_is_built(backend):
-    model = gemma2()
-    assert model.config.attn_logit_softcapping is not None
-    with compilation_counter.expect(num_graphs_seen=0, num_backend_compilations=0):
-        with pytest.raises(NotImplementedError, match="attention logit soft-capping"):
-            LLM(model, backend=backend)
-    assert model.config._attn_implementation != "qaic"
 
 
 def test_final_logit_soft_capping_alone_is_supported():
@@ -185,24 +175,3 @@ def test_final_logit_soft_capping_alone_is_supported():
     torch.testing.assert_close(out.logits[0], want, atol=1e-4, rtol=0)
 
 
-def test_attention_sinks_are_refused_when_the_engine_is_built():
-    from transformers import GptOssConfig
-
-    model = hf_model_from_config(GptOssConfig(num_hidden_layers=2, head_dim=16, num_local_experts=4,
-                                              num_experts_per_tok=2, **SMALL))
-    with compilation_counter.expect(num_graphs_seen=0):
-        with pytest.raises(NotImplementedError, match="attention sinks"):
-            LLM(model, backend="eager")
-
-
-def test_attention_function_still_refuses_soft_capping_at_run_time():
-    """The backstop for a model whose soft-capping the structural check cannot see."""
-    from qaic_dynamo.models.hf import qaic_attention_forward
-
-    module = torch.nn.Module()
-    module.qaic_layer_name = module.qaic_op_layer_name = "layer"
-    q = torch.zeros(1, 4, 2, 16)
-    with pytest.raises(NotImplementedError, match="uses attention logit soft-capping, which"):
-        qaic_attention_forward(module, q, q, q, None, softcap=30.0)
-    with pytest.raises(NotImplementedError, match="uses attention sinks, which"):
-        qaic_attention_forward(module, q, q, q, None, s_aux=torch.zeros(4))

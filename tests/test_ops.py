@@ -237,6 +237,59 @@ def test_unified_attention_sliding_window(window):
         start += q
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    block_size=st.sampled_from([1, 4, 16]),
+    heads_kv=st.sampled_from([(2, 2), (4, 1), (6, 2)]),
+    softcap=st.sampled_from([None, 2.0, 30.0]),
+    with_sinks=st.booleans(),
+    window=st.sampled_from([None, 3, 16]),
+    seed=st.integers(0, 2**16),
+)
+def test_softcap_and_sinks_match_the_reference(block_size, heads_kv, softcap, with_sinks, window, seed):
+    """Prefill, decode and chunked rows (each kernel path) against a plain PyTorch
+    reference, with soft-capping and sinks on their own and together."""
+    heads, kv_heads = heads_kv
+    b = batch(**MIXED, block_size=block_size, heads=heads, kv_heads=kv_heads, num_tokens=26, seed=seed)
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(seed)) * 2 if with_sinks else None
+    b["query"] = b["query"] * 3  # large logits, so the cap bites
+    with set_forward_context(b["md"], b["kv"]):
+        dep = ops.unified_kv_cache_update(b["new_k"], b["new_v"])
+        out = ops.unified_attention(b["query"], b["new_k"], b["new_v"], "l0", None, window, dep, softcap, sinks)
+    start = 0
+    for q, k, v in zip(b["query_lens"], b["full_k"], b["full_v"]):
+        want = ref_causal_attention(b["query"][start:start + q], k, v, sliding_window=window, softcap=softcap,
+                                    sinks=sinks)
+        torch.testing.assert_close(out[start:start + q], want, atol=1e-5, rtol=1e-5)
+        start += q
+
+
+def test_softcap_and_sinks_change_the_result():
+    b = batch(**MIXED, block_size=4, heads=4, kv_heads=2)
+    with set_forward_context(b["md"], b["kv"]):
+        ops.unified_kv_cache_update(b["new_k"], b["new_v"])
+        q = b["query"] * 3
+        plain = ops.unified_attention(q, b["new_k"], b["new_v"], "l0")
+        capped = ops.unified_attention(q, b["new_k"], b["new_v"], "l0", softcap=1.0)
+        sunk = ops.unified_attention(q, b["new_k"], b["new_v"], "l0", sinks=torch.full((4,), 3.0))
+    assert not torch.allclose(plain, capped, atol=1e-3) and not torch.allclose(plain, sunk, atol=1e-3)
+    # A sink only takes probability mass: the output shrinks towards zero.
+    assert sunk.norm() < plain.norm()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(softcap=0.0), "softcap must be positive, got 0"),
+    (dict(sinks=torch.zeros(3)), r"sinks must be \[num_heads\] = \[4\], got \[3\]"),
+    (dict(sinks=torch.zeros(4, dtype=torch.long)), "sinks must be floating point"),
+])
+def test_softcap_and_sinks_errors(kwargs, message):
+    b = batch(**MIXED, block_size=4, heads=4, kv_heads=2)
+    with set_forward_context(b["md"], b["kv"]):
+        ops.unified_kv_cache_update(b["new_k"], b["new_v"])
+        with pytest.raises(RuntimeError, match=message):
+            ops.unified_attention(b["query"], b["new_k"], b["new_v"], "l0", **kwargs)
+
+
 def mla_batch(block_size, heads=4, rank=16, rope=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     seq_lens, query_lens = MIXED["seq_lens"], MIXED["query_lens"]
@@ -305,6 +358,9 @@ def test_opcheck_unified_attention():
                                   {"scale": 0.5, "kv_cache_dependency": dep})
             torch.library.opcheck(torch.ops.qaic.unified_attention.default,
                                   (b["query"], b["new_k"], b["new_v"], "l0", None, 3))
+            torch.library.opcheck(torch.ops.qaic.unified_attention.default,
+                                  (b["query"], b["new_k"], b["new_v"], "l0"),
+                                  {"softcap": 20.0, "sinks": torch.randn(heads)})
 
 
 def test_opcheck_mla_ops():

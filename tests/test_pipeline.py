@@ -514,3 +514,22 @@ def test_the_direct_path_refuses_a_trace_that_specialises_a_dynamic_size():
     prepared = lowering.prepare(gm, args, args[-1].fake_mode)
     with pytest.raises(Exception, match=r"specialised dynamic size\(s\) \['s\d+'\] to constants"):
         lowering.aten_graph(prepared.gm, prepared.example, prepared.dynamic_shapes, 18)
+
+
+def test_a_size_expression_input_is_computed_from_tensor_dims():
+    """A piece may receive a size that is an expression of a tensor's dims (an MoE layer's
+    tokens x top-k): it is computed from those dims in the ONNX, not an eager fallback."""
+    def f(x):
+        x = x + 1
+        n = x.shape[0] * 2 + 1  # computed before the split, used after it
+        z = torch.relu(x)
+        return torch.ones(n) * z.sum()
+
+    with compilation_counter.expect(num_backend_compilations=2, num_eager_fallbacks=0):
+        c = torch.compile(f, backend="qaic", options={"splitting_ops": ["aten::relu"], "fallback": "error"},
+                          dynamic=True)
+        for n in (5, 7):
+            x = torch.randn(n, 3)
+            out = c(x)
+            assert out.shape == (2 * n + 1,)
+            torch.testing.assert_close(out, f(x))

@@ -58,19 +58,14 @@ def qaic_attention_forward(
             f"attn_implementation='qaic' runs a flat batch (batch dimension 1, sequences kept "
             f"apart by the forward context); got batch {query.shape[0]}"
         )
-    # A backstop: HFCausalLM refuses these up front (unsupported_attention_features).
-    unsupported = [name for name, used in (("attention logit soft-capping", softcap is not None),
-                                           ("attention sinks", kwargs.get("s_aux") is not None)) if used]
-    if unsupported:
-        raise NotImplementedError(
-            f"{type(module).__name__} uses {' and '.join(unsupported)}, which the qaic attention op "
-            "does not implement"
-        )
     q = query[0].transpose(0, 1)  # [T, H, D]
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     dep = torch.ops.qaic.unified_kv_cache_update(k, v, op_layer_name)
-    out = torch.ops.qaic.unified_attention(q, k, v, op_layer_name, scaling, sliding_window, dep)
+    # Soft-capping (Gemma 2) and sinks (transformers' s_aux, a learned per-head logit) are
+    # op arguments: per-layer values never become constants inside a compiled piece.
+    out = torch.ops.qaic.unified_attention(q, k, v, op_layer_name, scaling, sliding_window, dep, softcap,
+                                           kwargs.get("s_aux"))
     return out.unsqueeze(0), None
 
 
@@ -101,13 +96,9 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def unsupported_attention_features(config: Any, layers: list[tuple[str, nn.Module]]) -> list[str]:
     """The attention features of a model that the qaic attention op does not implement,
     found from its config and attention modules (what they would pass the interface)."""
-    found = []
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap is not None or any(getattr(m, "attn_logit_softcapping", None) is not None for _, m in layers):
-        found.append("attention logit soft-capping (config.attn_logit_softcapping)")
-    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for _, m in layers):
-        found.append("attention sinks (a 'sinks' parameter in the attention modules)")
-    return found
+    # Soft-capping and sinks are op arguments now; what remains unsupported is attention
+    # that is not causal self-attention over the cache.
+    return [f"non-causal attention ({name})" for name, m in layers if getattr(m, "is_causal", True) is False]
 
 
 class HFCausalLM(nn.Module):
@@ -155,6 +146,12 @@ class HFCausalLM(nn.Module):
         hf_model.config._attn_implementation = ATTN_IMPLEMENTATION
         if text_config is not config:
             text_config._attn_implementation = ATTN_IMPLEMENTATION
+        # Mixture-of-experts layers: transformers' "batched_mm" experts gather each token's
+        # expert weights and run dense batched matmuls - static shapes, no per-layer
+        # constants, no custom op - where "grouped_mm" (its default) calls a custom op no
+        # ONNX translation knows and "eager" loops over experts with data-dependent shapes.
+        if hasattr(type(hf_model), "_can_set_experts_implementation") and type(hf_model)._can_set_experts_implementation():
+            hf_model.set_experts_implementation("batched_mm")
         self.vocab_size = text_config.vocab_size
         self.num_kv_heads = text_config.num_key_value_heads
         self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads

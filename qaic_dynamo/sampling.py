@@ -1,0 +1,102 @@
+"""Sampling: ``SamplingParams`` (vLLM's names and meanings) and the per-request sampler.
+
+    from qaic_dynamo import LLM, SamplingParams
+    llm.generate(["a prompt"], SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, seed=7))
+
+``temperature=0`` is greedy. A request with a ``seed`` draws from a generator of its own,
+seeded once, so its tokens do not depend on what else is in the batch or on the order
+requests finish; requests without one share the engine's generator. Generation stops at
+``max_tokens``, at any of ``stop_token_ids``, and at the model's EOS token unless
+``ignore_eos``; the stop token is the last of ``token_ids``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+
+import torch
+
+__all__ = ["SamplingParams", "Sampler"]
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling parameter; the message gives the valid range."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token (vLLM's ``SamplingParams`` names, same meanings)."""
+
+    #: Tokens to generate at most (>= 1).
+    max_tokens: int = 16
+    #: Softmax temperature (>= 0); 0 picks the most likely token (greedy).
+    temperature: float = 1.0
+    #: Keep only the k most likely tokens (>= 1); 0 or -1 keeps all.
+    top_k: int = 0
+    #: Keep the smallest set of most likely tokens whose probability reaches top_p, in (0, 1].
+    top_p: float = 1.0
+    #: Seed of this request's own generator (reproducible whatever the batch); None: shared.
+    seed: int | None = None
+    #: Token ids that end generation (the stop token is kept as the last token).
+    stop_token_ids: Sequence[int] = field(default_factory=tuple)
+    #: Keep generating past the model's EOS token.
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(name: str, valid: str) -> SamplingParamsError:
+            return SamplingParamsError(f"SamplingParams: {name} must be {valid}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise bad("max_tokens", "an int >= 1")
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) or not self.temperature >= 0:
+            raise bad("temperature", "a number >= 0 (0 = greedy)")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise bad("top_k", "an int >= 1, or 0 / -1 for all tokens")
+        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "a number in (0, 1]")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise bad("seed", "an int or None")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "a sequence of token ids (ints >= 0)")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "a bool")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+class Sampler:
+    """Picks next tokens for one request at a time, from its logits row."""
+
+    def __init__(self, eos_token_ids: Sequence[int] = (), seed: int = 0) -> None:
+        self.eos = frozenset(eos_token_ids)
+        self.shared = torch.Generator().manual_seed(seed)
+
+    def generator(self, params: SamplingParams) -> torch.Generator:
+        """The generator a request draws from: its own when it has a seed."""
+        return torch.Generator().manual_seed(params.seed) if params.seed is not None else self.shared
+
+    @staticmethod
+    def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+        if params.temperature == 0:
+            return int(logits.argmax())
+        scores = logits.float() / params.temperature
+        if params.top_k > 0 and params.top_k < scores.numel():
+            kth = torch.topk(scores, params.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if params.top_p < 1:
+            sorted_scores, order = torch.sort(scores, descending=True)
+            probs = torch.softmax(sorted_scores, dim=-1)
+            # Drop a token once the ones before it already reach top_p (the first always stays).
+            drop = probs.cumsum(-1) - probs >= params.top_p
+            scores = scores.scatter(0, order[drop], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    def is_stop_token(self, token: int, params: SamplingParams) -> bool:
+        """Whether ``token`` ends its request (a stop token, or EOS unless ``ignore_eos``)."""
+        return token in params.stop_token_ids or (not params.ignore_eos and token in self.eos)

@@ -1,0 +1,113 @@
+"""Text in and out, tokenizers from local model directories, and SamplingParams
+(issue 13): validation, greedy equivalence, stopping, and seeded reproducibility that
+does not depend on the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qaic_dynamo import LLM, SamplingParams
+from qaic_dynamo.models import hf_model_from_config
+from qaic_dynamo.sampling import Sampler, SamplingParamsError
+
+WORDS = [f"w{i}" for i in range(200)]
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer built with the ``tokenizers`` library (nothing downloaded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def hf_llama(layers: int = 2, eos: int = 2):
+    from transformers import LlamaConfig
+
+    return hf_model_from_config(LlamaConfig(num_hidden_layers=layers, vocab_size=256, hidden_size=64,
+                                            intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                            eos_token_id=eos, bos_token_id=1))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-llama")
+    hf_llama().save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_tokens=0), r"max_tokens must be an int >= 1, got 0"),
+    (dict(temperature=-0.5), r"temperature must be a number >= 0 \(0 = greedy\)"),
+    (dict(top_k=-2), r"top_k must be an int >= 1, or 0 / -1 for all tokens"),
+    (dict(top_p=0.0), r"top_p must be a number in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be a number in \(0, 1\]"),
+    (dict(seed="7"), r"seed must be an int or None"),
+    (dict(stop_token_ids=[1, -3]), r"stop_token_ids must be a sequence of token ids"),
+    (dict(ignore_eos="no"), r"ignore_eos must be a bool"),
+])
+def test_invalid_sampling_params_are_refused_with_the_valid_range(kwargs, message):
+    with pytest.raises(SamplingParamsError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_top_k_and_top_p_keep_only_the_likely_tokens():
+    logits = torch.tensor([4.0, 3.0, 2.0, -1.0, -2.0])
+    g = torch.Generator().manual_seed(0)
+    assert {Sampler.pick(logits, SamplingParams(top_k=2), g) for _ in range(200)} == {0, 1}
+    # softmax: 0.66, 0.24, 0.09, ...: top_p=0.8 keeps the first two
+    assert {Sampler.pick(logits, SamplingParams(top_p=0.8), g) for _ in range(200)} == {0, 1}
+    assert {Sampler.pick(logits, SamplingParams(top_p=0.5), g) for _ in range(50)} == {0}
+    assert Sampler.pick(logits, SamplingParams(temperature=0), g) == 0
+
+
+def test_text_in_text_out_with_a_local_tokenizer(model_dir):
+    llm = LLM(str(model_dir), backend="eager", max_model_len=64)
+    assert llm.tokenizer is not None
+    out = llm.generate(["w1 w2 w3", "w7"], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    ids = [llm.tokenizer.encode("w1 w2 w3"), llm.tokenizer.encode("w7")]
+    assert [o.prompt_token_ids for o in out] == ids
+    assert [o.token_ids for o in out] == llm.generate(ids, 5)  # greedy, same tokens as token-id prompts
+    for o in out:
+        assert o.text == llm.tokenizer.decode(o.token_ids, skip_special_tokens=True) and isinstance(o.text, str)
+        assert o.finish_reason == "length"
+
+
+def test_a_text_prompt_without_a_tokenizer_says_how_to_fix_it():
+    llm = LLM(hf_llama(), backend="eager", max_model_len=64)
+    with pytest.raises(ValueError, match=r"prompt 0 is text but this LLM has no tokenizer; pass token ids, or "
+                                         r"LLM\(model, tokenizer=\.\.\.\)"):
+        llm.generate(["hello"], SamplingParams(max_tokens=2))
+
+
+def test_generation_stops_at_eos_unless_ignore_eos_and_at_stop_tokens():
+    model = hf_llama()
+    llm = LLM(model, backend="eager", max_model_len=64)
+    prompt = [5, 6, 7]
+    free = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
+    stop = free[3]
+    cut = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop]))[0]
+    assert cut.token_ids == free[: free.index(stop) + 1] and cut.finish_reason == "stop"
+    # EOS: make the model's EOS the token it would generate, and generation stops there.
+    llm_eos = LLM(hf_llama(eos=free[2]), backend="eager", max_model_len=64)
+    out = llm_eos.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0]
+    assert out.token_ids == free[: free.index(free[2]) + 1] and out.finish_reason == "stop"
+    assert llm_eos.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids == free
+
+
+@pytest.mark.parametrize("backend", ["eager", "qaic"])
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(backend):
+    llm = LLM(hf_llama(), backend=backend, max_model_len=64, max_num_seqs=4)
+    params = SamplingParams(max_tokens=10, temperature=1.3, top_k=50, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = llm.generate([[9, 8, 7]], params)[0].token_ids
+    others = SamplingParams(max_tokens=4, temperature=0.7, ignore_eos=True)
+    batch = llm.generate([[1, 2], [9, 8, 7], [3, 4, 5, 6, 7]], [others, params, others])
+    assert batch[1].token_ids == alone
+    assert llm.generate([[9, 8, 7]], params)[0].token_ids == alone
+    different = llm.generate([[9, 8, 7]], SamplingParams(max_tokens=10, temperature=1.3, seed=99, ignore_eos=True))
+    assert different[0].token_ids != alone  # the seed matters (10 tokens from a 256-token vocabulary)
