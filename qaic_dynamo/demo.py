@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import os
 import shutil
 import tempfile
 import time
@@ -85,6 +86,10 @@ def build_model(args: argparse.Namespace) -> Any:
     return hf_model_from_config(cfg, seed=args.seed)
 
 
+def _has_tokenizer(path: str) -> bool:
+    return any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
 def _cold(llm: Any, prompts: list[list[int]]) -> float:
     """Seconds of the first call (Dynamo trace + backend + one prefill step)."""
     t0 = time.perf_counter()
@@ -110,7 +115,10 @@ def run(args: argparse.Namespace) -> int:
     engine_kw = dict(max_num_seqs=len(prompts), max_model_len=max(128, max_len), block_size=16)
 
     print(f"qaic_dynamo demo: {type(model).__name__}, building engines ...", flush=True)
-    eager = LLM(model, backend="eager", **engine_kw)
+    # A --config directory that holds tokenizer files gives text in and out.
+    tokenizer = args.config if args.config and os.path.isdir(args.config) else None
+    eager = LLM(model, backend="eager", tokenizer=tokenizer if tokenizer and _has_tokenizer(tokenizer) else None,
+                **engine_kw)
     n_layers = len(eager.kv_cache_layers)
     eager.generate(prompts, 1)  # warm-up (allocator, threads)
     t0 = time.perf_counter()
@@ -171,4 +179,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nprompts: {len(prompts)} of {[len(p) for p in prompts]} tokens, {args.max_new_tokens} new tokens each")
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")
+    if eager.tokenizer is not None:
+        print("\ngenerated text (compiled):")
+        for i, o in enumerate(out):
+            print(f"  [{i}] {eager.tokenizer.decode(o.token_ids, skip_special_tokens=True)!r}")
     return 0 if same else 1

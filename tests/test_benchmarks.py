@@ -83,3 +83,13 @@ def test_disagg_benchmark_smoke(tmp_path):
     assert result["median"]["gloo"]["kv_bytes_per_handoff"] == result["median"]["copying"]["kv_bytes_per_handoff"]
     assert all(m["ttft_median_s"] > 0 and m["decode_tokens_per_s"] > 0 for m in result["median"].values())
     assert "Disaggregated serving" in out
+
+
+def test_families_benchmark_smoke(tmp_path):
+    out = run_benchmark("families.py", tmp_path, "--families", "qwen2_moe", "gemma2")
+    result = json.loads((tmp_path / "families_quick.json").read_text())
+    for family in ("qwen2_moe", "gemma2"):
+        two, three = result["samples"][family]["2"][0], result["samples"][family]["3"][0]
+        assert two["first_call_s"] > 0 and two["eager_fallbacks"] == three["eager_fallbacks"] == 0
+        assert two["unique_pieces"] == three["unique_pieces"], family  # flat in depth
+    assert "Families: cold start" in out

@@ -32,3 +32,22 @@ def test_demo_runs_and_matches_eager(model, graphs, compiled):
     restart = re.search(r"\((\d+) pieces loaded from disk, (\d+) exports\)$", rows["restart, persistent cache (s)"])
     assert restart and (int(restart[1]), int(restart[2])) == (compiled, 0), rows["restart, persistent cache (s)"]
     assert float(rows["max |logit - eager logit|"]) < 1e-3
+
+
+def test_demo_prints_text_when_the_model_directory_has_a_tokenizer(tmp_path):
+    from transformers import LlamaConfig
+
+    from test_sampling import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    LlamaConfig(num_hidden_layers=2, vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "qaic_dynamo", "demo", "--config", str(tmp_path), "--max-new-tokens", "3"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    text = proc.stdout.split("generated text (compiled):", 1)[1]
+    lines = re.findall(r"^  \[\d\] '(.*)'$", text, re.M)
+    assert len(lines) == 4 and all(re.fullmatch(r"(w\d+ ?)+|", line.replace("<unk>", "")) for line in lines), text
