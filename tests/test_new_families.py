@@ -84,3 +84,24 @@ def test_qwen2_moe_middle_layers_share_one_artifact(layers):
         num_graphs_seen=1,
         num_backend_compilations=3,  # first, middle, last: the routing adds no per-layer constant
     ))
+
+
+def smollm3(layers):
+    from transformers import SmolLM3Config
+
+    # Every 4th layer has no RoPE (no_rope_layers[i] == 0), as in SmolLM3.
+    return hf_model_from_config(SmolLM3Config(num_hidden_layers=layers, no_rope_layer_interval=4, pad_token_id=0,
+                                              bos_token_id=1, eos_token_id=2, **SMALL))
+
+
+@pytest.mark.parametrize("layers", [4, 8])
+def test_layers_without_rope_get_their_own_pieces_and_never_a_wrong_share(layers):
+    model = smollm3(layers)
+    assert 0 in model.config.no_rope_layers and 1 in model.config.no_rope_layers
+    check_parity(model, counts=dict(
+        num_graphs_seen=2 + 4,  # the block per kind (with and without RoPE); embed, rotary, norm, head
+        # each kind lowers its own two pieces: RoPE is in the pre-attention piece, and the
+        # no-RoPE block's graph takes no cos/sin, so its post-attention piece's inputs differ
+        # too (never a share across kinds); 2 x 2 block pieces + 4 regions, whatever the depth
+        num_backend_compilations=2 * 2 + 4,
+    ))
