@@ -326,8 +326,10 @@ class RetainedStateKV(TorchFunctionMode):
         k, v = self._read(i)
         q = self._to_bhsd(query)  # [B, Hq, S, D]
         group = q.shape[1] // k.shape[1]
-        if group > 1:
-            k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+        if group > 1:  # GQA: each kv head serves `group` query heads (expand, not repeat_interleave:
+            # with symbolic batch and ctx_len its decomposition costs the trace ~0.2 s a layer)
+            k, v = (t.unsqueeze(2).expand(t.shape[0], t.shape[1], group, t.shape[2], t.shape[3])
+                    .reshape(t.shape[0], t.shape[1] * group, t.shape[2], t.shape[3]) for t in (k, v))
         scale = scale if scale is not None else q.shape[-1] ** -0.5
         scores = (q @ k.transpose(-1, -2)) * scale
         return self._from_bhsd(self._softmax_attend(scores, self._mask(k.shape[2], sliding_window), v, softcap, sinks))
