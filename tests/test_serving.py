@@ -220,3 +220,17 @@ def test_cli_serves_a_prompt_file(tmp_path, capsys):
     bad.write_text("1 two 3\n")
     assert main(["serve-disagg", "--prompts", str(bad)]) == 2
     assert "whitespace-separated token ids" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["prefixed-llama", "mla"])
+def test_prefixed_buffers_and_mla_caches_serve_the_same_tokens(kind):
+    if kind == "mla":
+        torch.manual_seed(0)
+        model, prefix, stem = QaicMLAForCausalLM(QaicMLAConfig(num_hidden_layers=2)).eval(), None, "compressed_kv.0"
+    else:
+        model, prefix, stem = llama(2), "vllm", "past_key.0_vllm"
+    prompts, max_tokens = workload(5, seed=2)
+    with DisaggregatedServer(model, decode_slots=2, ctx_len=CTX, backend="eager", kv_cache_prefix=prefix) as server:
+        assert stem in server.buffers.tensors
+        results = server.generate(prompts, max_tokens)
+    assert [r.token_ids for r in results] == eager_tokens(model, prompts, max_tokens)
