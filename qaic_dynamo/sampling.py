@@ -13,7 +13,7 @@ requests finish; requests without one share the engine's generator. Generation s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 
@@ -64,9 +64,6 @@ class SamplingParams:
             raise bad("ignore_eos", "a bool")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
 
 class Sampler:
