@@ -539,21 +539,66 @@ def _block_of(node: fx.Node) -> int | None:
     return node.meta.get("custom", {}).get(_BLOCK)
 
 
+class _BlocksDiffer(Exception):
+    """A two-block trace whose blocks are not one graph: trace three instead."""
+
+
+def _hoist_shared_sizes(gm: fx.GraphModule) -> None:
+    """Recompute, before the blocks, every size a block computes and a later block reuses.
+
+    A symbolic size (e.g. batch x seq for a reshape) is traced once and its node reused
+    wherever the same size comes up again, so block 1 may read it from inside block 0.
+    That makes block 0 and block 1 different graphs, and block 1's input a value that
+    is shared, not chained. Computed from the model inputs' dims instead, the size is an
+    input shared by every block. A size that cannot be recomputed (not sums, products
+    and floor divisions of input dims) stays where it is: the blocks then differ and
+    the export traces a third block to tell shared from chained values."""
+    from qaic_dynamo.lowering import LoweringError, size_expression
+
+    dims: dict[Any, tuple[fx.Node, int]] = {}
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        val = ph.meta.get("val")
+        for d, size in enumerate(val.shape if isinstance(val, torch.Tensor) else ()):
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                dims.setdefault(size.node.expr, (ph, d))
+    anchor = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    for node in list(gm.graph.nodes):
+        b, val = _block_of(node), node.meta.get("val")
+        if b is None or not isinstance(val, torch.SymInt) or all(_block_of(u) == b for u in node.users):
+            continue
+        before = set(gm.graph.nodes)
+        try:
+            with gm.graph.inserting_before(anchor):
+                size = size_expression(gm.graph, val.node.expr, dims)
+        except LoweringError:
+            continue
+        for new in (n for n in gm.graph.nodes if n not in before):
+            args = [a.meta["val"] if isinstance(a, fx.Node) else a for a in new.args]
+            new.meta["val"] = args[0].shape[args[1]] if new.target is torch.ops.aten.sym_size.int else new.target(*args)
+        node.replace_all_uses_with(size)
+        gm.graph.erase_node(node)
+    gm.recompile()
+
+
 def _layerwise(trace: _Trace, blocks_path: str, num_layers: int, prefix: str | None, opset: int,
                on_layer: Callable[[int], None] = lambda i: None) -> tuple[onnx.ModelProto, list[str]]:
-    """Cut the three-block trace into pre / block 0 / block 1 / block 2 / post, check that
-    blocks 1 and 2 are one graph, translate pre, block 0, block 1 and post once each, and
-    stitch block 0 plus ``num_layers - 1`` instances of block 1 into one model.
+    """Cut a trace of the first two or three blocks into pre / blocks / post, translate
+    pre, block 0, block 1 and post once each, and stitch block 0 plus ``num_layers - 1``
+    instances of block 1 into one model.
 
     Block 0 is its own part because a first layer may differ from the rest (vLLM-style
-    layers start the residual stream there), as the backend's first piece does; blocks 1
-    and 2 say which block inputs chain from the previous block, which are shared, and
-    which are per layer (weights, caches)."""
+    layers start the residual stream there), as the backend's first piece does. Two
+    consecutive blocks that are one graph say which block inputs chain from the previous
+    block, which are shared, and which are per layer (weights, caches): blocks 0 and 1 of
+    a two-block trace, or blocks 1 and 2 of a three-block one. A two-block trace whose
+    blocks differ raises :class:`_BlocksDiffer` (the caller then traces three)."""
     from torch.fx.passes.split_module import split_module
 
     from qaic_dynamo.lowering import finish_model, translate_aten
 
     gm = trace.gm
+    traced = trace.num_layers
+    _hoist_shared_sizes(gm)
     order = {n: k for k, n in enumerate(gm.graph.nodes)}
     first_block = min((order[n] for n in gm.graph.nodes if _block_of(n) is not None), default=None)
     if first_block is None:
@@ -563,7 +608,7 @@ def _layerwise(trace: _Trace, blocks_path: str, num_layers: int, prefix: str | N
         b = _block_of(node)
         if b is not None:
             return b + 1
-        return 0 if order[node] < first_block else 4
+        return 0 if order[node] < first_block else traced + 1
 
     try:
         split = split_module(gm, gm, part, keep_original_order=True)
@@ -571,11 +616,18 @@ def _layerwise(trace: _Trace, blocks_path: str, num_layers: int, prefix: str | N
         raise ExportError(f"the decoder blocks are not separable from the rest of the model ({e}); "
                           "export with layerwise=False") from e
     calls = {n.target: n for n in split.graph.nodes if n.op == "call_module"}
-    PRE, B0, B1, B2, POST = (f"submod_{k}" for k in range(5))
-    if set(calls) != {PRE, B0, B1, B2, POST}:
-        raise ExportError(f"layerwise export expected pre / 3 blocks / post, got {sorted(calls)}; use layerwise=False")
+    names = [f"submod_{k}" for k in range(traced + 2)]
+    PRE, POST, blocks = names[0], names[-1], names[1:-1]
+    B0, B1, LAST = blocks[0], blocks[1], blocks[-1]
+    if set(calls) != set(names):
+        raise ExportError(f"layerwise export expected pre / {traced} blocks / post, got {sorted(calls)}; "
+                          "use layerwise=False")
     sub = {k: getattr(split, k) for k in calls}
-    if _graph_signature(sub[B1]) != _graph_signature(sub[B2]):
+    # The pair of blocks that are one graph: the template's inputs are read off it.
+    one, two = blocks[-2], blocks[-1]
+    if _graph_signature(sub[one]) != _graph_signature(sub[two]):
+        if traced == 2:
+            raise _BlocksDiffer()
         raise ExportError("the decoder blocks differ structurally (e.g. per-layer attention types or windows); "
                           "export with layerwise=False")
 
@@ -626,20 +678,23 @@ def _layerwise(trace: _Trace, blocks_path: str, num_layers: int, prefix: str | N
 
     emitted[PRE] = emit(PRE, "pre", [value(s, 0) for s in srcs[PRE]])
     emitted[B0] = emit(B0, "layers.0", [value(s, 0) for s in srcs[B0]])
-    one, two = f"{blocks_path}.1.", f"{blocks_path}.2."
+    a = blocks.index(one)  # the layer that block `one` is
+    w1, w2 = f"{blocks_path}.{a}.", f"{blocks_path}.{a + 1}."
     prev = emitted[B0]
     block_outs = [prev]
     on_layer(0)
     for i in range(1, num_layers):
         ins = []
-        for m, (s1, s2) in enumerate(zip(srcs[B1], srcs[B2])):
-            if s2[:2] == ("out", B1):  # chained: the previous block's output
-                ins.append(value(s1, i) if i == 1 else prev[s2[2]])
+        for m, (s1, s2) in enumerate(zip(srcs[one], srcs[two])):
+            if s2[:2] == ("out", one):  # chained: the previous block's output
+                # Layer 1 reads what block 1 read in the trace (block 0 may differ from
+                # the rest); later layers the template's own output.
+                ins.append(value(srcs[B1][m], i) if i == 1 else prev[s2[2]])
             elif s1 == s2:  # shared by every layer
                 ins.append(value(s1, i))
-            elif s1[:2] == ("in", "weight") and s2[:2] == ("in", "weight") and s1[2].startswith(one) \
-                    and s2[2] == two + s1[2][len(one):]:
-                ins.append(f"{blocks_path}.{i}." + s1[2][len(one):])
+            elif s1[:2] == ("in", "weight") and s2[:2] == ("in", "weight") and s1[2].startswith(w1) \
+                    and s2[2] == w2 + s1[2][len(w1):]:
+                ins.append(f"{blocks_path}.{i}." + s1[2][len(w1):])
             elif s1[:2] == ("in", "past") and s2[:2] == ("in", "past") and s1[3] == s2[3]:
                 ins.append(past_name[(i, s1[3])])
             else:
@@ -648,8 +703,8 @@ def _layerwise(trace: _Trace, blocks_path: str, num_layers: int, prefix: str | N
         prev = emit(B1, f"layers.{i}", ins)
         block_outs.append(prev)
         on_layer(i)
-    emitted[B2] = prev  # post reads the last block's outputs
-    if any(s[:2] in (("out", B0), ("out", B1)) for s in srcs[POST]):
+    emitted[LAST] = prev  # post reads the last block's outputs
+    if any(s[0] == "out" and s[1] in blocks[:-1] for s in srcs[POST]):
         raise ExportError("the model reads a non-final decoder block's output after the blocks; use layerwise=False")
     emitted[POST] = emit(POST, "post", [value(s, 0) for s in srcs[POST]])
 
@@ -662,7 +717,7 @@ def _layerwise(trace: _Trace, blocks_path: str, num_layers: int, prefix: str | N
     idx1 = [s[2] for s in top[1:] if s[:2] == ("out", B1)]
     values = [emitted[POST][top[0][2]]] + [block_outs[i][k] for i in range(num_layers) for k in (idx0 if i == 0 else idx1)]
     kept_src = top[len(top) - len(trace.retained):] if trace.retained else []
-    if any(s[:2] in (("out", B0), ("out", B1)) for s in kept_src):
+    if any(s[0] == "out" and s[1] in blocks for s in kept_src):
         raise ExportError("a retained buffer is written inside the decoder blocks; use layerwise=False")
     values += [value(s, 0) for s in kept_src]
     for v, name in zip(values, outputs):
@@ -813,6 +868,8 @@ class ExportResult:
     #: trace, translate (stitch included), weights (writing them), check, total.
     seconds: dict[str, float]
     compile_log: Path | None = None
+    #: Decoder layers traced (layerwise: 2, or 3 when the first layer differs).
+    traced_layers: int = 0
 
     def summary(self) -> str:
         lines = [
@@ -823,7 +880,8 @@ class ExportResult:
             f"({len(self.input_names)})",
             f"outputs           {', '.join(self.output_names[:5])}{' ...' if len(self.output_names) > 5 else ''} "
             f"({len(self.output_names)})",
-            f"layers            {self.num_layers} ({'layerwise: one block lowered, stitched' if self.layerwise else 'whole model'})",
+            f"layers            {self.num_layers} (" + (f"layerwise: {self.traced_layers} traced, one block lowered, "
+                                                   "stitched" if self.layerwise else "whole model") + ")",
             "seconds           " + ", ".join(f"{k} {v:.2f}" for k, v in self.seconds.items()),
         ]
         if self.compiled:
@@ -832,6 +890,58 @@ class ExportResult:
             lines.append(f"qaic-compile      not found: command written to {self.export_dir / 'compile.sh'}; "
                          "the model was validated on ONNX Runtime only")
         return "\n".join(lines)
+
+
+#: Attributes that hold a block's own index or name (normalised before comparing blocks).
+_INDEX_ATTRS = ("layer_idx", "layer_id", "layer_index", "layer_number", "idx")
+
+
+def _block_signature(block: nn.Module, index: int) -> list[tuple]:
+    """What makes a block's graph: its module tree, its parameter and buffer shapes, and
+    the plain settings of each module (window sizes, flags, types), with the block's own
+    index and name taken out."""
+    def setting(key: str, v: Any) -> Any:
+        if key in _INDEX_ATTRS and v == index:
+            return "<index>"
+        if isinstance(v, str):
+            return re.sub(rf"(^|\.){index}(\.|$)", r"\1<index>\2", v)
+        return v
+
+    plain = (bool, int, float, str, type(None))
+    sig = []
+    for name, mod in block.named_modules():
+        settings = tuple(sorted((k, setting(k, v)) for k, v in vars(mod).items() if not k.startswith("_") and (
+            isinstance(v, plain) or (isinstance(v, tuple) and all(isinstance(x, plain) for x in v)))))
+        tensors = tuple((k, tuple(t.shape), t.dtype) for k, t in [*mod.named_parameters(recurse=False),
+                                                                   *mod.named_buffers(recurse=False)])
+        sig.append((name, type(mod).__qualname__, settings, tensors))
+    return sig
+
+
+def _check_uniform_blocks(path: str, blocks: nn.ModuleList) -> None:
+    """Layerwise export stitches every layer after the first from one traced block, so
+    they must all build the same graph. A model whose later layers differ (alternating
+    sliding windows, a dense layer every k MoE ones, no-RoPE layers) is refused here,
+    naming the first difference, rather than exported with the wrong layers."""
+    if len(blocks) < 3:
+        return
+    ref = _block_signature(blocks[1], 1)
+    for i in range(2, len(blocks)):
+        sig = _block_signature(blocks[i], i)
+        if sig == ref:
+            continue
+        a, b = next(((a, b) for a, b in zip(ref, sig) if a != b), (ref[-1], sig[-1]))
+        if a[:2] != b[:2]:
+            what = f"module {a[0] or '(block)'} is {a[1]} in layer 1, {b[0] or '(block)'} {b[1]} in layer {i}"
+        elif a[2] != b[2]:
+            d1, d2 = dict(a[2]), dict(b[2])
+            keys = sorted(k for k in d1.keys() | d2.keys() if d1.get(k) != d2.get(k))
+            what = f"{a[0] or 'the block'}: " + ", ".join(f"{k}={d1.get(k)!r} in layer 1, {d2.get(k)!r} in layer {i}"
+                                                          for k in keys)
+        else:
+            what = f"{a[0] or 'the block'}: weights {a[3]} in layer 1, {b[3]} in layer {i}"
+        raise ExportError(f"decoder layer {i} of {path} differs from layer 1 ({what}), so one traced layer "
+                          "cannot stand for all of them; export with layerwise=False")
 
 
 @contextlib.contextmanager
@@ -903,32 +1013,46 @@ def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int =
         if not blocks:
             raise ExportError(f"{type(engine_model).__name__} has no list of {len(layer_names)} decoder blocks; "
                               "export with layerwise=False")
-        path, _ = blocks[0]
-        # Three blocks: a first (it may differ) and two that must be the same graph. Up to
-        # three layers that is the whole model anyway.
-        n = min(3, len(layer_names))
+        path, block_list = blocks[0]
+        _check_uniform_blocks(path, block_list)
         say("trace", 0, 1)
-        with _first_blocks(engine_model, path, n):
-            trace = _trace(engine_model, layer_names[:n], past_shapes[:n], dtype, opts.opset, retained)
+
+        def trace_first(n: int) -> _Trace:
+            t = time.perf_counter()
+            with _first_blocks(engine_model, path, n):
+                out = _trace(engine_model, layer_names[:n], past_shapes[:n], dtype, opts.opset, retained)
+            seconds["trace"] = seconds.get("trace", 0.0) + time.perf_counter() - t
+            return out
+
+        # Two blocks, which must be one graph once shared sizes are hoisted; if they are
+        # not (a first layer that differs), three, of which the last two must be. Up to
+        # that many layers, the trace is the whole model.
+        L = len(layer_names)
+        trace = trace_first(min(2, L))
+        model_proto = None
+        if L > 2:
+            try:
+                model_proto, outputs = _layerwise(trace, path, L, opts.kv_cache_prefix, opts.opset,
+                                                  lambda i: say("layers", i + 1, L))
+            except _BlocksDiffer:
+                trace = trace_first(3)
         say("trace", 1, 1)
-        seconds["trace"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        if n == len(layer_names):
+        if model_proto is None and trace.num_layers == L:
             model_proto, outputs = _whole_model(trace, opts.kv_cache_prefix, opts.opset)
-            say("layers", n, n)
-        else:
-            model_proto, outputs = _layerwise(trace, path, len(layer_names), opts.kv_cache_prefix, opts.opset,
-                                              lambda i: say("layers", i + 1, len(layer_names)))
+            say("layers", L, L)
+        elif model_proto is None:
+            model_proto, outputs = _layerwise(trace, path, L, opts.kv_cache_prefix, opts.opset,
+                                              lambda i: say("layers", i + 1, L))
     else:
         say("trace", 0, 1)
         trace = _trace(engine_model, layer_names, past_shapes, dtype, opts.opset, retained)
         say("trace", 1, 1)
         seconds["trace"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
         model_proto, outputs = _whole_model(trace, opts.kv_cache_prefix, opts.opset)
         say("layers", len(layer_names), len(layer_names))
     _name_dims(model_proto)
-    seconds["translate"] = time.perf_counter() - t0
+    # Translation and stitching: everything since t0 but the trace(s).
+    seconds["translate"] = time.perf_counter() - t0 - seconds["trace"]
 
     t0 = time.perf_counter()
     say("weights", 0, 1)
@@ -975,7 +1099,8 @@ def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int =
                                                "Qualcomm Cloud AI SDK is installed.\n" + shlex.join(cmd) + "\n")
     seconds["total"] = time.perf_counter() - t_start
     return ExportResult(onnx_path, inputs, outputs, custom_io, specs_path, cmd, export_dir, qpc_dir, compiled,
-                        opts.layerwise, len(layer_names), seconds, log)
+                        opts.layerwise, len(layer_names), seconds, log,
+                        trace.num_layers if opts.layerwise else len(layer_names))
 
 
 # --- running the artifact on ONNX Runtime (validation) ------------------------------------------

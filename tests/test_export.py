@@ -448,8 +448,51 @@ def test_cli_exports_validates_and_summarises(tmp_path, capsys):
                "--kv-cache-prefix", "vllm", "--ctx-len", "48", "--prefill-seq-len", "16"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "past_key.0_vllm" in out and "layerwise: one block lowered, stitched" in out
+    assert "past_key.0_vllm" in out and "layerwise: 2 traced, one block lowered, stitched" in out
     assert "qaic-compile      not found" in out and "ONNX Runtime greedy tokens == eager PyTorch" in out
     assert main(["export", "--model", "gpt9", "--out", str(tmp_path)]) == 2
     assert main(["export", "--model", "llama", "--layers", "2", "--out", str(tmp_path), "--kv-cache-prefix", "a.b"]) == 1
     assert "kv_cache_prefix must be" in capsys.readouterr().err
+
+
+def first_layer_differs() -> nn.Module:
+    model = hf("llama", 5)
+    model.model.layers[0].self_attn.scaling *= 0.5  # a constant in layer 0's graph only
+    return model
+
+
+@pytest.mark.parametrize("kind, traced", [
+    ("hf-llama", 2),  # every layer one graph: blocks 0 and 1 are the template
+    ("reference-llama", 2),
+    ("first-layer-differs", 3),  # blocks 1 and 2 are the template
+])
+def test_layerwise_traces_two_blocks_or_three_when_the_first_differs(kind, traced, tmp_path):
+    model = {"reference-llama": lambda: llama(5), "hf-llama": lambda: hf("llama", 5),
+             "first-layer-differs": first_layer_differs}[kind]()
+    stitched = export_for_qaic(model, tmp_path, layerwise=True, **SHAPE)
+    direct = export_for_qaic(model, tmp_path, layerwise=False, **SHAPE)
+    assert stitched.traced_layers == traced and direct.traced_layers == 5
+    assert f"{traced} traced" in stitched.summary()
+    sess = ort.InferenceSession(str(direct.onnx_path), providers=["CPUExecutionProvider"])
+    feeds = random_feeds([(i.name, i.shape) for i in sess.get_inputs()[2:]], batch=2, seq=5, ctx=32)
+    a, b = run_all(stitched.onnx_path, feeds), run_all(direct.onnx_path, feeds)
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], atol=1e-5, rtol=0)
+
+
+def test_a_later_layer_that_differs_is_refused_not_stitched_from_layer_1(tmp_path):
+    # Layers 0-2 full attention, layer 3 sliding: the traced blocks (0, 1) agree, so only
+    # comparing every layer's settings catches that layer 3 builds another graph.
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                      num_key_value_heads=2, num_hidden_layers=4, use_sliding_window=True, sliding_window=6,
+                      max_window_layers=4,
+                      layer_types=["full_attention"] * 3 + ["sliding_attention"])
+    model = hf_model_from_config(cfg)
+    with pytest.raises(ExportError, match=r"decoder layer 3 of hf\.model\.layers differs from layer 1 .*sliding_window"
+                                          r".*layerwise=False"):
+        export_for_qaic(model, tmp_path, layerwise=True, **SHAPE)
+    result = export_for_qaic(model, tmp_path, layerwise=False, **SHAPE)
+    tokens, _ = ort_generate(result.onnx_path, PROMPTS, 4, SHAPE["prefill_seq_len"])
+    assert tokens == eager_reference(model, PROMPTS, 4)[0]

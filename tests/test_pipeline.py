@@ -533,3 +533,46 @@ def test_a_size_expression_input_is_computed_from_tensor_dims():
             out = c(x)
             assert out.shape == (2 * n + 1,)
             torch.testing.assert_close(out, f(x))
+
+
+def _promotion_cases():
+    def mixed(x, i, h):
+        # float + long, a python float into a half tensor, cumsum of bool, where with a scalar
+        y = x + i.unsqueeze(-1) + (i > 2).cumsum(-1).unsqueeze(-1)
+        return torch.where(y > 0, h * 0.5, 0).float() + y, (h + x.half()).sum(-1)
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+
+    state = {**dict(llama.named_parameters()), **dict(llama.named_buffers())}
+    names = list(state)
+
+    def hf_llama(x, i, h, *params):  # weights are inputs, as the export's trace has them
+        return torch.func.functional_call(llama, dict(zip(names, params)), (), {"input_ids": i, "use_cache": False}).logits
+
+    example = [torch.randn(3, 5, 4), torch.randint(0, 5, (3, 5)), torch.randn(3, 5, 4).half()]
+    dims = [{0: "b", 1: "s"}] * 3
+    params = [p.detach() for p in state.values()]
+    return [(mixed, example, dims), (hf_llama, example + params, dims + [None] * len(params))]
+
+
+@pytest.mark.parametrize("case", range(2), ids=["mixed-dtypes", "hf-llama"])
+def test_selective_type_promotion_gives_the_exporters_graph(monkeypatch, case):
+    # insert_type_promotion re-runs only the nodes it casts; the graph must be exactly the
+    # one the exporter's full pass (which re-runs every node) produces.
+    from qaic_dynamo import lowering
+
+    fn, example, dims = _promotion_cases()[case]
+    with torch.no_grad():
+        selective = lowering.aten_graph(fn, example, dims, 18)
+        monkeypatch.setattr(lowering, "insert_type_promotion",
+                            lowering.torch_onnx_internals().fx_passes.insert_type_promotion_nodes)
+        full = lowering.aten_graph(fn, example, dims, 18)
+    casts = [n for n in full.graph.nodes if n.target is torch.ops.prims.convert_element_type.default]
+    assert casts, "the case must need promotion, or it tests nothing"
+    assert selective.code == full.code
+    assert [str(n.meta["val"]) for n in selective.graph.nodes if "val" in n.meta] == \
+        [str(n.meta["val"]) for n in full.graph.nodes if "val" in n.meta]
