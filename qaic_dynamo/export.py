@@ -235,6 +235,20 @@ class RetainedStateKV(TorchFunctionMode):
         self.stems: dict[int, tuple[str, ...]] = {}
         self._next = 0
         self._last: int | None = None
+        # Built once here, before the model runs and so outside every decoder block: the
+        # key positions, the causal mask and the gather index serve all layers (one set of
+        # nodes, not one per layer), and in a layerwise trace they are values every block
+        # shares rather than one block's outputs that the next block reads.
+        caches = [c for p in self.past for c in p]
+        ctx = caches[0].shape[2] if caches else 0
+        self._key_pos = torch.arange(ctx, device=position_ids.device)
+        self._pos = position_ids.unsqueeze(-1)  # [B, S, 1]
+        self._causal = self._key_pos <= self._pos  # [B, S, C]
+        self._gather_index = {}
+        for c in caches:
+            b, h, n, _ = c.shape
+            if h not in self._gather_index:
+                self._gather_index[h] = torch.arange(n, device=c.device).expand(b, h, n)
 
     def _layer(self, name: str, what: str) -> int:
         if name == FROM_FORWARD_CONTEXT:
@@ -288,21 +302,14 @@ class RetainedStateKV(TorchFunctionMode):
     def _read(self, i: int) -> list[torch.Tensor]:
         if i not in self.updated:
             raise ExportError(f"layer {self.layer_names[i]!r} attends before its KV cache was updated")
-        out = []
-        for cache in self.updated[i]:
-            b, h, c, _ = cache.shape
-            idx = torch.arange(c, device=cache.device).expand(b, h, c)
-            out.append(torch.ops.qaic.ctx_gather(cache, idx))
-        return out
+        return [torch.ops.qaic.ctx_gather(cache, self._gather_index[cache.shape[1]]) for cache in self.updated[i]]
 
-    def _mask(self, ctx_len: int, sliding_window: int | None) -> torch.Tensor:
+    def _mask(self, sliding_window: int | None) -> torch.Tensor:
         """[B, 1, S, C]: key slot c is visible to the token at position p iff c <= p (and
         c > p - window); a padded token (p = -1) sees nothing."""
-        key_pos = torch.arange(ctx_len, device=self.position_ids.device)
-        pos = self.position_ids.unsqueeze(-1)  # [B, S, 1]
-        allowed = key_pos <= pos
+        allowed = self._causal
         if sliding_window is not None:
-            allowed = allowed & (key_pos > pos - sliding_window)
+            allowed = allowed & (self._key_pos > self._pos - sliding_window)
         return allowed.unsqueeze(1)
 
     def _softmax_attend(self, scores: torch.Tensor, allowed: torch.Tensor, value: torch.Tensor,
@@ -332,14 +339,14 @@ class RetainedStateKV(TorchFunctionMode):
                     .reshape(t.shape[0], t.shape[1] * group, t.shape[2], t.shape[3]) for t in (k, v))
         scale = scale if scale is not None else q.shape[-1] ** -0.5
         scores = (q @ k.transpose(-1, -2)) * scale
-        return self._from_bhsd(self._softmax_attend(scores, self._mask(k.shape[2], sliding_window), v, softcap, sinks))
+        return self._from_bhsd(self._softmax_attend(scores, self._mask(sliding_window), v, softcap, sinks))
 
     def _mla_attention(self, q_latent, q_pe, layer_name, scale, kv_cache_dependency=None):
         i = self._layer(layer_name, "attention")
         c_kv, k_pe = self._read(i)  # [B, 1, C, R], [B, 1, C, P]
         ql, qp = self._to_bhsd(q_latent), self._to_bhsd(q_pe)
         scores = (ql @ c_kv.transpose(-1, -2) + qp @ k_pe.transpose(-1, -2)) * scale
-        return self._from_bhsd(self._softmax_attend(scores, self._mask(c_kv.shape[2], None), c_kv))
+        return self._from_bhsd(self._softmax_attend(scores, self._mask(None), c_kv))
 
 
 # --- the model in retained-state form -------------------------------------------------------
@@ -575,6 +582,7 @@ def _hoist_shared_sizes(gm: fx.GraphModule) -> None:
         for new in (n for n in gm.graph.nodes if n not in before):
             args = [a.meta["val"] if isinstance(a, fx.Node) else a for a in new.args]
             new.meta["val"] = args[0].shape[args[1]] if new.target is torch.ops.aten.sym_size.int else new.target(*args)
+            new.meta["nn_module_stack"] = {}  # the translator records it per node
         node.replace_all_uses_with(size)
         gm.graph.erase_node(node)
     gm.recompile()

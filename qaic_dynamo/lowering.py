@@ -612,7 +612,8 @@ class _DirectPathError(Exception):
 
 
 def _fake_inputs(example: Sequence[torch.Tensor], dynamic_shapes: Sequence[dict[int, Any] | None]) -> list[torch.Tensor]:
-    """Fresh fake inputs whose dynamic dims (and only those) are symbols.
+    """Fresh fake inputs whose dynamic dims (and only those) are symbols; dims given the
+    same *string* name (the deployment export's "batch_size", "ctx_len") are one symbol.
 
     A private fake mode and shape env: tracing in Dynamo's own would add guards to the
     frame being compiled.
@@ -625,6 +626,13 @@ def _fake_inputs(example: Sequence[torch.Tensor], dynamic_shapes: Sequence[dict[
     for t, dynamic in zip(example, dynamic_shapes):
         dims = [DimDynamic.DYNAMIC if d in (dynamic or {}) else DimDynamic.STATIC for d in range(t.dim())]
         fakes.append(mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims)))
+    # Said equal up front rather than left to whichever op happens to combine two of them
+    # (if none does, the ONNX gets one free dim per input).
+    named: dict[str, Any] = {}
+    for fake, dynamic in zip(fakes, dynamic_shapes):
+        for d, name in (dynamic or {}).items():
+            if isinstance(name, str):
+                torch._check(fake.shape[d] == named.setdefault(name, fake.shape[d]))
     return fakes
 
 
@@ -761,9 +769,11 @@ def translate_aten(gm: fx.GraphModule, input_names: Sequence[str], output_names:
     internals = torch_onnx_internals()
     model = ir.Model(ir.Graph([], [], nodes=[], name="main_graph"), ir_version=MAX_IR_VERSION, producer_name="qaic_dynamo")
     try:
-        internals.core._translate_fx_graph(
-            gm.graph, model, graph_like=model.graph, owned_graphs={}, lower="at_conversion", registry=onnx_registry(opset)
-        )
+        with _memoized_op_signatures():
+            internals.core._translate_fx_graph(
+                gm.graph, model, graph_like=model.graph, owned_graphs={}, lower="at_conversion",
+                registry=onnx_registry(opset)
+            )
     except Exception as e:
         raise _DirectPathError(_failing_op(e), _first_line(e)) from e
     internals.ir_passes.add_opset_imports(model)
@@ -775,6 +785,38 @@ def translate_aten(gm: fx.GraphModule, input_names: Sequence[str], output_names:
     for value, name in zip(model.graph.outputs, output_names):
         value.name = name
     return ir.serde.serialize_model(model)
+
+
+_OP_SIGNATURES: dict[tuple[str, str, int], Any] = {}
+
+
+@contextlib.contextmanager
+def _memoized_op_signatures() -> Iterator[None]:
+    """While translating, ``onnx_ir``'s ``OpSignature.from_op_schema`` answers from a
+    process-wide memo keyed by (domain, op, since_version).
+
+    The exporter's op recorder rebuilds the signature of an ONNX op's schema on every node
+    it emits (and each build hashes every allowed type of every constraint): about a
+    third of a piece's translation time, for a value that depends only on the schema.
+    The signature is read, never changed, by the recorder. The patch is undone on exit,
+    so nothing outside our own translations sees it."""
+    from onnx_ir.schemas import OpSignature
+
+    original = OpSignature.__dict__["from_op_schema"]
+    build = original.__func__
+
+    def from_op_schema(cls: type, schema: Any) -> Any:
+        key = (schema.domain, schema.name, schema.since_version)
+        sig = _OP_SIGNATURES.get(key)
+        if sig is None:
+            sig = _OP_SIGNATURES[key] = build(cls, schema)
+        return sig
+
+    OpSignature.from_op_schema = classmethod(from_op_schema)
+    try:
+        yield
+    finally:
+        OpSignature.from_op_schema = original
 
 
 def _lower_direct(prepared: PreparedPiece, opset: int, seconds: dict[str, float]) -> onnx.ModelProto:
