@@ -551,15 +551,17 @@ class _BlocksDiffer(Exception):
 
 
 def _hoist_shared_sizes(gm: fx.GraphModule) -> None:
-    """Recompute, before the blocks, every size a block computes and a later block reuses.
+    """Compute every symbolic size the blocks use before the blocks, from the input dims.
 
     A symbolic size (e.g. batch x seq for a reshape) is traced once and its node reused
-    wherever the same size comes up again, so block 1 may read it from inside block 0.
-    That makes block 0 and block 1 different graphs, and block 1's input a value that
-    is shared, not chained. Computed from the model inputs' dims instead, the size is an
-    input shared by every block. A size that cannot be recomputed (not sums, products
-    and floor divisions of input dims) stays where it is: the blocks then differ and
-    the export traces a third block to tell shared from chained values."""
+    wherever the same size comes up again, so block 1 may read it from inside block 0,
+    and where in a block a size first comes up can differ from block to block (an MoE
+    layer's tokens x top-k). Either makes block 0 and block 1 different graphs, and the
+    first makes block 1's input a value that is shared, not chained. Computed from the
+    model inputs' dims before the blocks, each size is an input every block shares. A
+    size that cannot be (not sums, products and floor divisions of input dims, e.g. a
+    data-dependent one) stays where it is: if the blocks then differ, the export traces
+    a third block to tell shared from chained values."""
     from qaic_dynamo.lowering import LoweringError, size_expression
 
     dims: dict[Any, tuple[fx.Node, int]] = {}
@@ -569,16 +571,25 @@ def _hoist_shared_sizes(gm: fx.GraphModule) -> None:
             if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
                 dims.setdefault(size.node.expr, (ph, d))
     anchor = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    hoisted: dict[Any, Any] = {}
     for node in list(gm.graph.nodes):
         b, val = _block_of(node), node.meta.get("val")
-        if b is None or not isinstance(val, torch.SymInt) or all(_block_of(u) == b for u in node.users):
+        if b is None or not isinstance(val, torch.SymInt):
+            continue
+        expr = val.node.expr
+        if expr in hoisted:  # one node per size, whichever blocks use it
+            node.replace_all_uses_with(hoisted[expr])
+            gm.graph.erase_node(node)
             continue
         before = set(gm.graph.nodes)
         try:
             with gm.graph.inserting_before(anchor):
-                size = size_expression(gm.graph, val.node.expr, dims)
+                size = size_expression(gm.graph, expr, dims)
         except LoweringError:
             continue
+        if not isinstance(size, fx.Node):  # a constant: nothing to share
+            continue
+        hoisted[expr] = size
         for new in (n for n in gm.graph.nodes if n not in before):
             args = [a.meta["val"] if isinstance(a, fx.Node) else a for a in new.args]
             new.meta["val"] = args[0].shape[args[1]] if new.target is torch.ops.aten.sym_size.int else new.target(*args)
@@ -705,6 +716,8 @@ def _layerwise(trace: _Trace, blocks_path: str, num_layers: int, prefix: str | N
                 ins.append(f"{blocks_path}.{i}." + s1[2][len(w1):])
             elif s1[:2] == ("in", "past") and s2[:2] == ("in", "past") and s1[3] == s2[3]:
                 ins.append(past_name[(i, s1[3])])
+            elif traced == 2:  # block 0 may be special after all: let a third block tell
+                raise _BlocksDiffer()
             else:
                 raise ExportError(f"block input {m} differs between layers in a way layerwise export cannot map "
                                   f"({s1} vs {s2}); use layerwise=False")
@@ -1075,7 +1088,7 @@ def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int =
         raise ExportError(f"the exported model fails onnx.checker: {e}") from e
     seconds["check"] = time.perf_counter() - t0
 
-    inputs = [i.name for i in onnx.load(str(onnx_path), load_external_data=False).graph.input]
+    inputs = [i.name for i in model_proto.graph.input]  # the weights are initializers by now
     custom_io = export_dir / "custom_io.yaml"
     custom_io.write_text(custom_io_yaml(outputs, opts.kv_precision))
     specs_path = export_dir / "specializations.json"

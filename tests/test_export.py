@@ -500,3 +500,28 @@ def test_a_later_layer_that_differs_is_refused_not_stitched_from_layer_1(tmp_pat
     result = export_for_qaic(model, tmp_path, layerwise=False, **SHAPE)
     tokens, _ = ort_generate(result.onnx_path, PROMPTS, 4, SHAPE["prefill_seq_len"])
     assert tokens == eager_reference(model, PROMPTS, 4)[0]
+
+
+@pytest.mark.parametrize("family, differs", [
+    ("gemma2", r"decoder layer 2 .*sliding"),  # sliding / global alternate
+    ("gpt_oss", r"decoder layer 2 .*sliding"),
+    ("smollm3", r"decoder layer 3 .*use_rope"),  # every 4th layer has no RoPE: 1 and 2 agree
+    ("qwen2_moe", None),  # every layer one graph: layerwise works
+])
+def test_newer_families_export_whole_and_layerwise_only_when_their_layers_agree(family, differs, tmp_path):
+    import test_new_families
+
+    model = getattr(test_new_families, family)(4)
+    if differs is None:
+        result = export_for_qaic(model, tmp_path, layerwise=True, **SHAPE)
+        assert result.traced_layers == 2
+    else:
+        with pytest.raises(ExportError, match=differs + r".*export with layerwise=False"):
+            export_for_qaic(model, tmp_path, layerwise=True, **SHAPE)
+        result = export_for_qaic(model, tmp_path, layerwise=False, **SHAPE)
+    tokens, logits = ort_generate(result.onnx_path, PROMPTS, 4, SHAPE["prefill_seq_len"])
+    want_tokens, want_logits = eager_reference(model, PROMPTS, 4)
+    assert tokens == want_tokens
+    for step, got in enumerate(logits):
+        torch.testing.assert_close(torch.from_numpy(got), torch.stack([w[step + 1] for w in want_logits]),
+                                   atol=1e-4, rtol=0)
