@@ -51,6 +51,7 @@ import contextlib
 import functools
 import logging
 import operator
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -788,6 +789,7 @@ def translate_aten(gm: fx.GraphModule, input_names: Sequence[str], output_names:
 
 
 _OP_SIGNATURES: dict[tuple[str, str, int], Any] = {}
+_op_signature_patch = {"lock": threading.Lock(), "depth": 0, "original": None}
 
 
 @contextlib.contextmanager
@@ -798,25 +800,33 @@ def _memoized_op_signatures() -> Iterator[None]:
     The exporter's op recorder rebuilds the signature of an ONNX op's schema on every node
     it emits (and each build hashes every allowed type of every constraint): about a
     third of a piece's translation time, for a value that depends only on the schema.
-    The signature is read, never changed, by the recorder. The patch is undone on exit,
-    so nothing outside our own translations sees it."""
+    The signature is read, never changed, by the recorder. The patch is undone when the
+    last translation in progress (threads may overlap) ends, so nothing outside our own
+    translations sees it."""
     from onnx_ir.schemas import OpSignature
 
-    original = OpSignature.__dict__["from_op_schema"]
-    build = original.__func__
+    state = _op_signature_patch
+    with state["lock"]:
+        if state["depth"] == 0:
+            state["original"] = OpSignature.__dict__["from_op_schema"]
+            build = state["original"].__func__
 
-    def from_op_schema(cls: type, schema: Any) -> Any:
-        key = (schema.domain, schema.name, schema.since_version)
-        sig = _OP_SIGNATURES.get(key)
-        if sig is None:
-            sig = _OP_SIGNATURES[key] = build(cls, schema)
-        return sig
+            def from_op_schema(cls: type, schema: Any) -> Any:
+                key = (schema.domain, schema.name, schema.since_version)
+                sig = _OP_SIGNATURES.get(key)
+                if sig is None:
+                    sig = _OP_SIGNATURES[key] = build(cls, schema)
+                return sig
 
-    OpSignature.from_op_schema = classmethod(from_op_schema)
+            OpSignature.from_op_schema = classmethod(from_op_schema)
+        state["depth"] += 1
     try:
         yield
     finally:
-        OpSignature.from_op_schema = original
+        with state["lock"]:
+            state["depth"] -= 1
+            if state["depth"] == 0:
+                OpSignature.from_op_schema = state["original"]
 
 
 def _lower_direct(prepared: PreparedPiece, opset: int, seconds: dict[str, float]) -> onnx.ModelProto:

@@ -576,3 +576,19 @@ def test_selective_type_promotion_gives_the_exporters_graph(monkeypatch, case):
     assert selective.code == full.code
     assert [str(n.meta["val"]) for n in selective.graph.nodes if "val" in n.meta] == \
         [str(n.meta["val"]) for n in full.graph.nodes if "val" in n.meta]
+
+
+def test_op_signatures_are_memoized_only_while_translating():
+    import onnx
+    from onnx_ir.schemas import OpSignature
+
+    from qaic_dynamo import lowering
+
+    original = OpSignature.__dict__["from_op_schema"]
+    with lowering._memoized_op_signatures():
+        with lowering._memoized_op_signatures():  # overlapping translations (threads)
+            a = OpSignature.from_op_schema(onnx.defs.get_schema("Add", 18))
+            b = OpSignature.from_op_schema(onnx.defs.get_schema("Add", 18))
+        assert a is b and OpSignature.__dict__["from_op_schema"] is not original
+    assert OpSignature.__dict__["from_op_schema"] is original
+    assert OpSignature.from_op_schema(onnx.defs.get_schema("Add", 18)) == a
