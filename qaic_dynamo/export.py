@@ -16,12 +16,13 @@ causal mask built from ``position_ids`` (a padded position, -1, sees nothing and
 nothing). The trace and the ONNX translation are the backend's direct lowering
 (``lowering.aten_graph`` / ``translate_aten``): no torch.export.
 
-``layerwise=True`` (the default) uses the structural reuse the backend relies on: the
-model is traced with only its first three decoder blocks, the aten graph is cut at the
-block boundaries (recorded as node annotations), blocks 1 and 2 are checked to be the
-same graph, and the first block (which may differ, as the backend's first piece does) and
-the middle block are translated once each; the middle block is stitched L - 1 times into
-the merged model, each instance with its own weights and its own retained-state names.
+``layerwise=True`` (the default) uses the structural reuse the backend relies on: every
+layer from 1 on is first checked to be built like layer 1 (module tree, weight shapes,
+settings), the model is traced with only its first two decoder blocks (three if the
+first differs), the aten graph is cut at the block boundaries (recorded as node
+annotations), and the first block (which may differ, as the backend's first piece does)
+and the next are translated once each; the second is stitched L - 1 times into the
+merged model, each instance with its own weights and its own retained-state names.
 Export time is then flat in depth apart from writing the weights. ``layerwise=False``
 traces and translates the whole model (time linear in depth); both give the same model
 numerically.
