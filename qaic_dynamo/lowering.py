@@ -718,8 +718,8 @@ def _needs_promotion(node: fx.Node, rule: Any) -> bool:
     def value(a: Any) -> Any:
         return a.meta["val"] if isinstance(a, fx.Node) else a
 
-    args = torch.utils._pytree.tree_map(value, node.args)
-    kwargs = torch.utils._pytree.tree_map(value, dict(node.kwargs))
+    args = pytree.tree_map(value, node.args)
+    kwargs = pytree.tree_map(value, dict(node.kwargs))
     info = rule.preview_type_promotion(args, kwargs)
 
     def casts(v: Any, dtype: torch.dtype | None) -> bool:
