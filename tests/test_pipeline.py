@@ -592,3 +592,37 @@ def test_op_signatures_are_memoized_only_while_translating():
         assert a is b and OpSignature.__dict__["from_op_schema"] is not original
     assert OpSignature.__dict__["from_op_schema"] is original
     assert OpSignature.from_op_schema(onnx.defs.get_schema("Add", 18)) == a
+
+
+# --- PyTorch's OpenMP workers and ONNX Runtime share the cores -----------------------------------------
+
+
+@pytest.mark.skipif(not torch.backends.openmp.is_available(), reason="PyTorch built without OpenMP")
+def test_openmp_workers_are_released_and_pytorch_still_runs_in_parallel():
+    """After a parallel region PyTorch's OpenMP workers spin for milliseconds; releasing
+    them (omp_pause_resource_all) must succeed, and PyTorch's next parallel region must
+    start new workers and compute the same result."""
+    from qaic_dynamo.runtime import release_openmp_workers
+
+    assert release_openmp_workers() is True  # the runtime PyTorch loaded was found
+    x = torch.randn(256, 512)
+    want = x @ x.T  # a parallel region: the workers now spin
+    assert release_openmp_workers() is True
+    assert torch.equal(x @ x.T, want)
+    assert torch.get_num_threads() >= 1
+
+
+def test_every_onnx_runtime_run_first_releases_the_openmp_workers(monkeypatch):
+    from qaic_dynamo import runtime
+
+    model = llama()
+    compiled = torch.compile(model, backend="qaic")
+    run_steps(model, compiled, steps=0)  # compile
+    events = []
+    monkeypatch.setattr(runtime, "_omp_pause", lambda kind: events.append("release") or 0)
+    for r in last_compile_report().runners():
+        run = r._run_c
+        monkeypatch.setattr(r, "_run_c", lambda *a, run=run: (events.append("run"), run(*a))[1])
+    run_steps(model, compiled, steps=1)
+    assert events.count("run") == 3 * 2  # first, middle, last piece; prefill + 1 decode step
+    assert all(events[i - 1] == "release" for i, e in enumerate(events) if e == "run")

@@ -145,3 +145,25 @@ def test_state_dict_keys_survive_regional_compile():
     model.load_state_dict(other.state_dict())
     assert model.layers[1].module.down_proj.weight.equal(other.layers[1].down_proj.weight)
     assert model.lm_head.module.weight.equal(other.lm_head.weight)
+
+
+@pytest.mark.parametrize("L", [2, 4])
+def test_a_block_runner_keeps_every_layers_weights_bound(L):
+    """One runner serves every layer of the block; it keeps one binding per layer (the
+    forward context's layer index), so a step re-binds activations, never a layer's weights,
+    and no layer's binding holds another layer's weights."""
+    from qaic_dynamo.backend import compile_reports
+
+    model = llama(L)
+    llm = engine(model)
+    before = len(compile_reports())
+    llm.generate(PROMPTS, 3)
+    block = next(r for rep in compile_reports()[before:] for r in rep.runners() if r.artifact.layout.kv_updates)
+    bound = block.bound_inputs()
+    assert sorted(bound) == list(range(L))  # one binding per layer
+    (_, blocks), = find_repeated_blocks(llm.model)  # the CompiledRegion wrappers
+    layers = [dict(m.named_parameters()) for m in blocks]
+    owner = {p.data_ptr(): i for i, params in enumerate(layers) for p in params.values()}
+    for slot, inputs in bound.items():
+        weights = {owner[ptr] for ptr in inputs.values() if ptr in owner}
+        assert weights == {slot}, (slot, weights)
