@@ -11,7 +11,8 @@ piece, and a batch-8 decode step at 1x and 8x KV capacity with the same live tok
 which must not grow (the cache is updated in place).
 
 Also the cost of entering a compiled region once per layer: (regional - whole) / layers
-per step.
+per step; and, for both qaic compiles, the effect of releasing PyTorch's OpenMP workers
+before each ONNX Runtime run (the ``-spin`` variants leave them spinning).
 
 Target: decode latency at batch 8, qaic <= 1.0 x eager; regional no slower than whole.
 
@@ -32,6 +33,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import markdown_table, median_seconds, piece_call_costs, save_results  # noqa: E402
 
 CONTEXT = 128
+
+#: LLM arguments of each measured configuration.
+BACKENDS = {
+    "qaic": dict(backend="qaic"),
+    "qaic-whole": dict(backend="qaic", regional=False),
+    "qaic-spin": dict(backend="qaic", compile_options={"release_openmp_workers": False}),
+    "qaic-whole-spin": dict(backend="qaic", regional=False, compile_options={"release_openmp_workers": False}),
+    "eager": dict(backend="eager"),
+    "inductor": dict(backend="inductor"),
+}
 
 
 def build(layers: int, hidden: int, vocab: int):
@@ -71,8 +82,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden-size", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--backends", nargs="+", default=["qaic", "qaic-whole", "eager", "inductor"],
-                    help="qaic = regional (LLM's default), qaic-whole = regional=False")
+    ap.add_argument("--backends", nargs="+", choices=list(BACKENDS),
+                    default=["qaic", "qaic-whole", "qaic-spin", "qaic-whole-spin", "eager", "inductor"],
+                    help="qaic = regional (LLM's default), qaic-whole = regional=False; -spin: without "
+                         "releasing PyTorch's OpenMP workers before each ONNX Runtime run")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--results-dir", type=Path, default=None)
     args = ap.parse_args()
@@ -89,7 +102,7 @@ def main() -> None:
     results: dict[str, dict[str, float]] = {}
     engines, reports = {}, {}
     for backend in args.backends:
-        kw = dict(backend="qaic", regional=False) if backend == "qaic-whole" else dict(backend=backend)
+        kw = BACKENDS[backend]
         llm = LLM(model, max_num_seqs=8, max_model_len=CONTEXT + 8, block_size=16, **kw)
         engines[backend] = llm
         results[backend] = {}
@@ -121,6 +134,15 @@ def main() -> None:
             f"{k} {v * 1e6:+.0f} us" for k, v in entry.items()) + " (regional - whole, / layers)"
         print(line)
         md += "\n" + line + "\n"
+
+    for on, off in (("qaic", "qaic-spin"), ("qaic-whole", "qaic-whole-spin")):
+        if on in results and off in results:
+            gain = {name: results[off][name] / results[on][name] for name, _, _ in cases}
+            payload.setdefault("openmp_release_speedup", {})[on] = gain
+            line = (f"{on}: releasing PyTorch's OpenMP workers before each ONNX Runtime run, step time without / with: "
+                    + ", ".join(f"{k} {v:.2f}x" for k, v in gain.items()))
+            print(line)
+            md += "\n" + line + "\n"
 
     if "qaic" in engines:
         llm = engines["qaic"]

@@ -78,6 +78,14 @@ class CompilationConfig:
         default=None,
         metadata=_doc("ONNX Runtime intra-op threads. Default: torch.get_num_threads()."),
     )
+    release_openmp_workers: bool = field(
+        default=True,
+        metadata=_doc(
+            "Before each ONNX Runtime run, release PyTorch's OpenMP worker threads: after a "
+            "parallel region they spin for milliseconds and share the cores with ONNX "
+            "Runtime's threads (runtime.release_openmp_workers)."
+        ),
+    )
     cache: bool = field(
         default=True,
         metadata=_doc(
@@ -118,6 +126,10 @@ class CompilationConfig:
         _check_choice("opset", self.opset, OPSETS)
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ConfigError(f"qaic option 'num_threads' must be a positive int or None, got {self.num_threads!r}")
+        if not isinstance(self.release_openmp_workers, bool):
+            raise ConfigError(
+                f"qaic option 'release_openmp_workers' must be True or False, got {self.release_openmp_workers!r}"
+            )
         if not isinstance(self.cache, bool):
             raise ConfigError(f"qaic option 'cache' must be True or False, got {self.cache!r}")
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):

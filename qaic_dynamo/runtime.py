@@ -184,6 +184,7 @@ class PieceRunner(torch.nn.Module):
         self._flat_tuple = spec.type is tuple and all(c.is_leaf() for c in spec.children())
         self._dep = {leaf[1]: torch.empty(0, dtype=getattr(torch, leaf[1])) for leaf in layout.leaves if leaf[0] == "dep"}
         self._run_c = artifact.session._sess.run_with_iobinding if artifact.session is not None else None
+        self._release_openmp = config.release_openmp_workers
 
     # -- binding ----------------------------------------------------------------------------
     def _binding(self, slot: int) -> _ThreadBinding:
@@ -296,7 +297,8 @@ class PieceRunner(torch.nn.Module):
 
     def run_bound(self) -> None:
         """Run the session on what the calling thread has bound."""
-        release_openmp_workers()
+        if self._release_openmp:
+            release_openmp_workers()
         # The C-level run: the Python wrapper re-validates the binding on every call,
         # which costs more than a decode step's piece computes.
         self._run_c(self._this_thread().c_io, None)

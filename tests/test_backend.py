@@ -275,6 +275,7 @@ def test_unknown_option_lists_valid_keys():
     ({"splitting_ops": ["qaic::no_such_op"]}, "'qaic::no_such_op' is not a registered op"),
     ({"splitting_ops": "qaic::unified_attention"}, "must be a list of op names"),
     ({"num_threads": 0}, "'num_threads' must be a positive int"),
+    ({"release_openmp_workers": "yes"}, "'release_openmp_workers' must be True or False"),
 ])
 def test_bad_option_values(options, message):
     with pytest.raises(ConfigError) as e:
@@ -287,6 +288,7 @@ def test_config_hash_covers_artifact_fields_only(monkeypatch):
     assert base.compute_hash() != base.replace(opset=19).compute_hash()
     assert base.compute_hash() != base.replace(runtime="qaic").compute_hash()
     assert base.compute_hash() == base.replace(dump_dir="/tmp/x", fallback="error").compute_hash()
+    assert base.compute_hash() == base.replace(release_openmp_workers=False).compute_hash()  # runtime only
     monkeypatch.setenv("QAIC_DYNAMO_DUMP_DIR", "/tmp/from-env")
     assert CompilationConfig.from_options({}).dump_dir == "/tmp/from-env"
     assert CompilationConfig.from_options({"dump_dir": "/tmp/explicit"}).dump_dir == "/tmp/explicit"

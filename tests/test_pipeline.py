@@ -612,11 +612,12 @@ def test_openmp_workers_are_released_and_pytorch_still_runs_in_parallel():
     assert torch.get_num_threads() >= 1
 
 
-def test_every_onnx_runtime_run_first_releases_the_openmp_workers(monkeypatch):
+@pytest.mark.parametrize("release", [True, False])
+def test_every_onnx_runtime_run_first_releases_the_openmp_workers(monkeypatch, release):
     from qaic_dynamo import runtime
 
     model = llama()
-    compiled = torch.compile(model, backend="qaic")
+    compiled = torch.compile(model, backend="qaic", options={"release_openmp_workers": release})
     run_steps(model, compiled, steps=0)  # compile
     events = []
     monkeypatch.setattr(runtime, "_omp_pause", lambda kind: events.append("release") or 0)
@@ -625,4 +626,7 @@ def test_every_onnx_runtime_run_first_releases_the_openmp_workers(monkeypatch):
         monkeypatch.setattr(r, "_run_c", lambda *a, run=run: (events.append("run"), run(*a))[1])
     run_steps(model, compiled, steps=1)
     assert events.count("run") == 3 * 2  # first, middle, last piece; prefill + 1 decode step
-    assert all(events[i - 1] == "release" for i, e in enumerate(events) if e == "run")
+    if release:
+        assert all(events[i - 1] == "release" for i, e in enumerate(events) if e == "run")
+    else:
+        assert "release" not in events
