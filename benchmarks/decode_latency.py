@@ -5,7 +5,7 @@ One engine step (``LLM.execute_model``: build metadata, set the forward context,
 model, slice the logits) for:
   * prefill: batch 1 x 128 tokens,
   * decode: batch 1 and batch 8, each sequence 128 tokens deep,
-as the median of many steps after warm-up (and of several timing runs). Also, for qaic:
+as the median of many steps after warm-up (and of several interleaved rounds). Also, for qaic:
 the per-piece overhead (binding + dispatch against the ONNX Runtime run) of a middle
 piece, and a batch-8 decode step at 1x and 8x KV capacity with the same live tokens,
 which must not grow (the cache is updated in place).
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -97,23 +98,32 @@ def main() -> None:
         layers, hidden, vocab, repeats = 2, 64, 512, 2
     model = build(layers, hidden, vocab)
     cases = [("prefill b1x128", "prefill", 1), ("decode b1", "decode", 1), ("decode b8", "decode", 8)]
-    print(f"model: {layers} layers, hidden {hidden}, vocab {vocab}; median of {repeats} timing runs", flush=True)
+    print(f"model: {layers} layers, hidden {hidden}, vocab {vocab}; median of {repeats} interleaved timing rounds",
+          flush=True)
 
-    results: dict[str, dict[str, float]] = {}
     engines, reports = {}, {}
-    for backend in args.backends:
-        kw = BACKENDS[backend]
-        llm = LLM(model, max_num_seqs=8, max_model_len=CONTEXT + 8, block_size=16, **kw)
+    for backend in args.backends:  # compile and warm up every configuration first
+        llm = LLM(model, max_num_seqs=8, max_model_len=CONTEXT + 8, block_size=16, **BACKENDS[backend])
         engines[backend] = llm
-        results[backend] = {}
         n_reports = len(compile_reports())
         for name, kind, b in cases:
             with case_batch(llm, kind, b) as batch:
-                for _ in range(2):  # warm-up (the first call compiles)
+                for _ in range(2):  # the first call compiles
                     llm.execute_model(batch)
-                reports[backend] = compile_reports()[n_reports:]
-                results[backend][name] = median_seconds(lambda: llm.execute_model(batch), repeats)
-                print(f"  {backend:>8} {name:<15} {results[backend][name] * 1e3:8.2f} ms", flush=True)
+        reports[backend] = compile_reports()[n_reports:]
+    # Interleaved: every round times every configuration and case once, so a drift in the
+    # machine's speed (large on this shared host) moves all of them alike.
+    samples: dict[str, dict[str, list[float]]] = {b: {name: [] for name, _, _ in cases} for b in args.backends}
+    for _ in range(repeats):
+        for backend, llm in engines.items():
+            for name, kind, b in cases:
+                with case_batch(llm, kind, b) as batch:
+                    llm.execute_model(batch)
+                    samples[backend][name].append(median_seconds(lambda: llm.execute_model(batch), 1))
+    results = {b: {name: statistics.median(v) for name, v in per.items()} for b, per in samples.items()}
+    for backend in args.backends:
+        for name, _, _ in cases:
+            print(f"  {backend:>15} {name:<15} {results[backend][name] * 1e3:8.2f} ms", flush=True)
 
     rows = [[name] + [results[b][name] * 1e3 for b in args.backends] for name, _, _ in cases]
     md = "### Step latency, ms (median)\n\n" + markdown_table(["case"] + [f"{b} (ms)" for b in args.backends], rows)
