@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -55,15 +57,18 @@ def test_cold_start_benchmark_smoke(tmp_path):
 
 
 def test_decode_latency_benchmark_smoke(tmp_path):
-    out = run_benchmark("decode_latency.py", tmp_path, "--backends", "qaic", "qaic-whole", "eager")
+    out = run_benchmark("decode_latency.py", tmp_path, "--backends", "qaic", "qaic-whole", "qaic-spin", "eager")
     result = json.loads((tmp_path / "decode_latency_quick.json").read_text())
-    assert set(result["step_ms"]) == {"qaic", "qaic-whole", "eager"}
+    assert set(result["step_ms"]) == {"qaic", "qaic-whole", "qaic-spin", "eager"}
+    assert set(result["openmp_release_speedup"]) == {"qaic"}  # qaic-whole-spin was not run
+    assert all(v > 0 for v in result["openmp_release_speedup"]["qaic"].values())
     assert set(result["region_entry_us_per_layer"]) == {"prefill b1x128", "decode b1", "decode b8"}
     assert set(result["step_ms"]["qaic"]) == {"prefill b1x128", "decode b1", "decode b8"}
     assert set(result["capacity_decode_b8_ms"]) == {"1x", "8x"}
     assert "decode b8 qaic / eager" in out
 
 
+@pytest.mark.slow  # ~95 s of fresh exports on 2 cores; `make test-all` runs it
 def test_export_benchmark_smoke(tmp_path):
     out = run_benchmark("export.py", tmp_path)
     result = json.loads((tmp_path / "export_quick.json").read_text())
@@ -85,6 +90,7 @@ def test_disagg_benchmark_smoke(tmp_path):
     assert "Disaggregated serving" in out
 
 
+@pytest.mark.slow  # ~50 s of fresh processes on 2 cores; `make test-all` runs it
 def test_families_benchmark_smoke(tmp_path):
     out = run_benchmark("families.py", tmp_path, "--families", "qwen2_moe", "gemma2")
     result = json.loads((tmp_path / "families_quick.json").read_text())
