@@ -81,6 +81,9 @@ def _openmp_pause_function() -> Any:
                     paths.append(line.split(None, 5)[-1].strip())
     except OSError:  # not Linux: try the process's global symbols
         pass
+    # Another package may have mapped its own OpenMP runtime too: PyTorch's comes first.
+    torch_lib = str(Path(torch.__file__).parent / "lib")
+    paths.sort(key=lambda p: not p.startswith(torch_lib))
     paths.append(None)
     for path in dict.fromkeys(paths):
         try:
