@@ -54,6 +54,11 @@ class CompilationCounter:
     num_disk_cache_hits: int = 0
     #: Artifacts written to the persistent cache.
     num_disk_cache_writes: int = 0
+    #: Calls of a regional block that ran Dynamo's compiled code after its guards passed,
+    #: without entering through torch.compile's wrapper (region_dispatch="guarded").
+    num_guarded_region_calls: int = 0
+    #: Calls of a region that entered through torch.compile's wrapper.
+    num_dynamo_region_calls: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def counts(self) -> dict[str, int]:

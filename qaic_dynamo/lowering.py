@@ -54,7 +54,7 @@ import operator
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -537,29 +537,41 @@ _NEEDED = {
 }
 
 
-@functools.cache
-def torch_onnx_internals() -> TorchOnnxInternals | None:
-    """The private pieces, or None (warned once) when this torch is not the tested one or
-    lacks one of them; lowering then goes through the public exporter."""
-    why = None
+def check_private_api(probe: Callable[[], str | None], otherwise: str) -> bool:
+    """Whether private torch pieces can be used: only on the tested torch, and only if
+    ``probe`` (which imports and inspects them) returns None rather than what is missing.
+    If not, warns once (per caller's cache) saying what happens ``otherwise`` and why."""
     if torch.__version__.split("+")[0] != TESTED_TORCH:
         why = f"torch {torch.__version__} is not the tested {TESTED_TORCH}"
     else:
         try:
-            from torch.onnx._internal.exporter import _core, _decomp, _fx_passes, _ir_passes, _registration
-            from torch.onnx._internal.fx.passes import type_promotion
+            why = probe()
+        except (ImportError, AttributeError) as e:
+            why = f"they do not import ({e})"
+    if why is None:
+        return True
+    msg = f"qaic: {otherwise}: {why}"
+    logger.warning(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    return False
 
-            mods = dict(core=_core, decomp=_decomp, fx_passes=_fx_passes, ir_passes=_ir_passes, registration=_registration,
-                        type_promotion=type_promotion)
-            missing = [f"{m}.{a}" for m, attrs in _NEEDED.items() for a in attrs if not hasattr(mods[m], a)]
-            if missing:
-                why = f"torch.onnx lacks {missing}"
-        except ImportError as e:
-            why = f"torch.onnx's exporter modules do not import ({e})"
-    if why is not None:
-        msg = f"qaic: lowering through the public torch.onnx exporter (slower): {why}"
-        logger.warning(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+
+@functools.cache
+def torch_onnx_internals() -> TorchOnnxInternals | None:
+    """The private pieces, or None (warned once) when this torch is not the tested one or
+    lacks one of them; lowering then goes through the public exporter."""
+    mods: dict[str, Any] = {}
+
+    def probe() -> str | None:
+        from torch.onnx._internal.exporter import _core, _decomp, _fx_passes, _ir_passes, _registration
+        from torch.onnx._internal.fx.passes import type_promotion
+
+        mods.update(core=_core, decomp=_decomp, fx_passes=_fx_passes, ir_passes=_ir_passes, registration=_registration,
+                    type_promotion=type_promotion)
+        missing = [f"{m}.{a}" for m, attrs in _NEEDED.items() for a in attrs if not hasattr(mods[m], a)]
+        return f"torch.onnx lacks {missing}" if missing else None
+
+    if not check_private_api(probe, "lowering through the public torch.onnx exporter (slower)"):
         return None
     return TorchOnnxInternals(**mods)
 

@@ -26,21 +26,38 @@ The token and sequence dimensions of every tensor a region receives are marked d
 from the forward context, so one trace serves prefill, decode and every batch size
 (Dynamo would otherwise specialise the first call's sizes and recompile on the second).
 
+Once a block is compiled, calling it through ``torch.compile``'s wrapper costs 0.2-0.4 ms
+per layer and step here (the wrapper's context set-up, Dynamo's frame evaluation, marking
+dynamic dims) - as much as a small block's ONNX Runtime run. With ``region_dispatch=
+"guarded"`` (the default) a block looks up Dynamo's cache itself: the same entries, the
+same backend match and the same guards, evaluated by Dynamo's own guard manager on the
+frame's locals; only when one passes does it run that entry's compiled code directly.
+Anything else - no entry, a failed guard, a stance other than the default, hooks on the
+block, code that resumes after a graph break - goes through Dynamo as before, which then
+recompiles or falls back exactly as it would have (:class:`GuardedDispatch`).
+
 Like ``nn.Module.compile``, this compiles in place and returns the model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+import inspect
+import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from qaic_dynamo.counter import compilation_counter
 from qaic_dynamo.forward_context import get_forward_context, has_forward_context
 
-__all__ = ["CompiledRegion", "RegionPlan", "compile", "find_repeated_blocks", "plan_regions"]
+__all__ = [
+    "CompiledRegion", "DynamoInternals", "GuardedDispatch", "RegionPlan", "compile", "dynamo_internals",
+    "find_repeated_blocks", "plan_regions",
+]
 
 
 def find_repeated_blocks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
@@ -130,10 +147,11 @@ class CompiledRegion(nn.Module):
     """A module run through its compiled form; attributes the model's own Python reads
     (e.g. transformers' ``decoder_layer.attention_type``) are the wrapped module's."""
 
-    def __init__(self, module: nn.Module, compiled: Any) -> None:
+    def __init__(self, module: nn.Module, compiled: Any, dispatch: GuardedDispatch | None = None) -> None:
         super().__init__()
         self.module = module
         object.__setattr__(self, "_compiled", compiled)  # not a submodule: no duplicate parameters
+        object.__setattr__(self, "dispatch", dispatch)
         # The wrapper is invisible in checkpoints: the model's state_dict keys stay those of
         # the uncompiled model (``layers.0.mlp...``, not ``layers.0.module.mlp...``), so a
         # checkpoint saved before compiling loads after it and vice versa.
@@ -141,6 +159,12 @@ class CompiledRegion(nn.Module):
         self._register_load_state_dict_pre_hook(_add_wrapper_prefix)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.dispatch is not None:
+            compiled_code = self.dispatch.lookup(args, kwargs)
+            if compiled_code is not None:
+                compilation_counter.bump(num_guarded_region_calls=1)
+                return compiled_code(self._modules["module"], *args, **kwargs)
+        compilation_counter.bump(num_dynamo_region_calls=1)
         mark_dynamic_dims(args, kwargs)
         return self._compiled(*args, **kwargs)
 
@@ -149,6 +173,162 @@ class CompiledRegion(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._modules["module"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Writes go to the wrapped module, as reads come from it: ``layer.flag = x`` on a
+        # compiled layer must change what the layer computes (Dynamo guards on the wrapped
+        # module's attributes), not shadow it with a wrapper attribute nothing reads.
+        # The wrapper's own state (nn.Module's fields, ``module``, ``dispatch``) stays here.
+        if name in self.__dict__ or name == "module" or "module" not in self.__dict__.get("_modules", {}):
+            super().__setattr__(name, value)
+        else:
+            setattr(self._modules["module"], name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in self.__dict__ or name == "module":
+            super().__delattr__(name)
+        else:
+            delattr(self._modules["module"], name)
+
+
+# --- Dynamo's private pieces: the one place regions name them -----------------------------
+
+
+@dataclass(frozen=True)
+class DynamoInternals:
+    """What guarded dispatch reads of Dynamo and torch.nn (torch 2.13), all private:
+
+    * ``torch._C._dynamo.eval_frame._get_cache_entries_for_region(code, -1)`` - a code
+      object's compiled entries in Dynamo's lookup order, each with ``backend``,
+      ``guard_manager`` (``check(f_locals)``, the C++ guard tree Dynamo's frame evaluation
+      runs) and ``code`` (the transformed bytecode);
+    * ``torch._dynamo.eval_frame._stance`` (what ``torch.compiler.set_stance`` set) and
+      ``innermost_backend`` (the backend a compiled module's callback carries, as Dynamo
+      matches it against an entry's);
+    * torch.nn's global module hooks (``_global_forward_hooks`` and the like): with any
+      hook set the block goes through Dynamo, which runs them.
+    """
+
+    cache_entries: Callable[[types.CodeType, int], list]
+    eval_frame: Any
+    innermost_backend: Callable[[Any], Any]
+    global_hooks: tuple[dict, ...]
+
+
+@functools.cache
+def dynamo_internals() -> DynamoInternals | None:
+    """The private pieces, or None (warned once) when this torch is not the tested one or
+    lacks one of them; every region then enters through Dynamo."""
+    from qaic_dynamo.lowering import check_private_api
+
+    found: dict[str, Any] = {}
+
+    def probe() -> str | None:
+        import torch._dynamo.eval_frame as eval_frame
+        import torch.nn.modules.module as nn_module
+        from torch._C._dynamo.eval_frame import _get_cache_entries_for_region
+
+        found.update(cache_entries=_get_cache_entries_for_region, eval_frame=eval_frame,
+                     innermost_backend=eval_frame.innermost_backend,
+                     global_hooks=tuple(getattr(nn_module, name) for name in (
+                         "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                         "_global_backward_pre_hooks", "_global_forward_hooks_always_called")))
+        if not all(hasattr(eval_frame._stance, a) for a in ("stance", "backend", "skip_guard_eval_unsafe")):
+            return "torch._dynamo's stance lacks stance/backend/skip_guard_eval_unsafe"
+        return None
+
+    if not check_private_api(probe, "regions enter through Dynamo on every call (region_dispatch='guarded' unavailable)"):
+        return None
+    return DynamoInternals(**found)
+
+
+class GuardedDispatch:
+    """Runs a compiled block's code after Dynamo's own guards pass, without Dynamo's entry.
+
+    A call through ``torch.compile``'s wrapper sets and restores the frame-evaluation
+    callback, stance, dispatch-key and functorch state, then Dynamo's C frame evaluation
+    builds the frame's locals, finds the code object's cache entries and checks each one's
+    backend and guards, and runs the first that passes. :meth:`lookup` does the same
+    lookup - the same entries in the same order, the same backend match, the same
+    ``guard_manager`` on the same locals (the bound arguments, defaults applied, and the
+    function's free variables) - and returns a function running that entry's compiled code,
+    or None for anything it does not handle the same way, so the caller goes through
+    Dynamo instead:
+
+    * a stance other than the default, Dynamo disabled, or a trace in progress
+      (``torch.compiler.is_compiling``, ``torch.jit.is_tracing``);
+    * hooks on the block or global module hooks (``nn.Module.__call__`` runs them);
+    * a ``forward`` replaced on the instance or the class since compiling;
+    * no entry, or no entry of this backend whose guards pass (Dynamo then recompiles,
+      or falls back, as it would have);
+    * an entry whose code resumes after a graph break: its resume functions are compiled
+      only when Dynamo's callback is set.
+    """
+
+    def __init__(self, module: nn.Module, compiled: Any, internals: DynamoInternals) -> None:
+        self.module = module
+        self.func = type(module).forward
+        self.code = self.func.__code__
+        self.backend = internals.innermost_backend(compiled.dynamo_ctx.callback)
+        self.isolate_recompiles_id = getattr(compiled.dynamo_ctx, "_isolate_recompiles_id", -1)
+        self._internals = internals
+        self._defaults: tuple = ()
+        self._signature: inspect.Signature | None = None
+        self._functions: dict[types.CodeType, Callable | None] = {}
+
+    def lookup(self, args: tuple, kwargs: dict[str, Any]) -> Callable | None:
+        """The compiled code Dynamo would run for ``module(*args, **kwargs)``, or None."""
+        internals, module, func = self._internals, self.module, self.func
+        stance = internals.eval_frame._stance
+        if (stance.stance != "default" or stance.backend is not None or stance.skip_guard_eval_unsafe
+                or torch._dynamo.config.disable or torch.compiler.is_compiling() or torch.jit.is_tracing()):
+            return None
+        if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or any(internals.global_hooks)):
+            return None
+        if type(module).forward is not func or "forward" in module.__dict__:
+            return None
+        f_locals = self._frame_locals(args, kwargs)
+        if f_locals is None:
+            return None
+        for entry in internals.cache_entries(self.code, self.isolate_recompiles_id):
+            if entry.backend is not self.backend and entry.backend != self.backend:
+                continue
+            if entry.guard_manager.check(f_locals):
+                return self._function(entry.code)
+        return None
+
+    def _frame_locals(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        """The locals Dynamo's frame evaluation guards on: arguments bound as the frame binds
+        them, and the free variables' current values."""
+        func = self.func
+        if self._signature is None or self._defaults[0] is not func.__defaults__ or self._defaults[1] is not func.__kwdefaults__:
+            # Not follow_wrapped: the frame binds the function's own parameters, not those of the
+            # function it wraps (transformers' forward_with_checkpointing(self, *args, **kwargs)).
+            self._signature = inspect.signature(func, follow_wrapped=False)
+            self._defaults = (func.__defaults__, func.__kwdefaults__)
+            self._functions.clear()
+        try:
+            bound = self._signature.bind(self.module, *args, **kwargs)
+        except TypeError:
+            return None  # Dynamo's path raises the real error
+        bound.apply_defaults()
+        f_locals = bound.arguments
+        for name, cell in zip(self.code.co_freevars, func.__closure__ or ()):
+            try:
+                f_locals[name] = cell.cell_contents
+            except ValueError:  # an empty cell
+                return None
+        return f_locals
+
+    def _function(self, code: types.CodeType) -> Callable | None:
+        if code not in self._functions:
+            func, fn = self.func, None
+            if code.co_freevars == self.code.co_freevars and not any(n.startswith("__resume_at_") for n in code.co_names):
+                fn = types.FunctionType(code, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
+                fn.__kwdefaults__ = func.__kwdefaults__
+            self._functions[code] = fn
+        return self._functions[code]
 
 
 def _drop_wrapper_prefix(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
@@ -171,7 +351,7 @@ def compile(model: nn.Module, **options: Any) -> nn.Module:  # noqa: A001  (mirr
     """
     from qaic_dynamo.config import CompilationConfig
 
-    CompilationConfig.from_options(options)  # reject bad options now, not at the first call
+    config = CompilationConfig.from_options(options)  # reject bad options now, not at the first call
     if any(isinstance(m, CompiledRegion) for m in model.modules()):
         raise ValueError(
             f"qaic_dynamo.compile: {type(model).__name__} is already compiled region by region (it holds "
@@ -181,7 +361,10 @@ def compile(model: nn.Module, **options: Any) -> nn.Module:  # noqa: A001  (mirr
 
     for _, blocks in plan.blocks:
         for i, block in enumerate(blocks):
-            blocks[i] = CompiledRegion(block, torch.compile(block, backend="qaic", options=dict(options)))
+            compiled = torch.compile(block, backend="qaic", options=dict(options))
+            internals = dynamo_internals() if config.region_dispatch == "guarded" else None
+            dispatch = GuardedDispatch(block, compiled, internals) if internals is not None else None
+            blocks[i] = CompiledRegion(block, compiled, dispatch)
     for parent, name, path in plan.rest:
         module = getattr(parent, name)
         setattr(parent, name, CompiledRegion(module, torch.compile(_entry(module, path), backend="qaic", options=dict(options))))

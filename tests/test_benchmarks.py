@@ -57,9 +57,11 @@ def test_cold_start_benchmark_smoke(tmp_path):
 
 
 def test_decode_latency_benchmark_smoke(tmp_path):
-    out = run_benchmark("decode_latency.py", tmp_path, "--backends", "qaic", "qaic-whole", "qaic-spin", "eager")
+    out = run_benchmark("decode_latency.py", tmp_path, "--backends", "qaic", "qaic-whole", "qaic-dynamo-entry",
+                        "qaic-spin", "eager")
     result = json.loads((tmp_path / "decode_latency_quick.json").read_text())
-    assert set(result["step_ms"]) == {"qaic", "qaic-whole", "qaic-spin", "eager"}
+    assert set(result["step_ms"]) == {"qaic", "qaic-whole", "qaic-dynamo-entry", "qaic-spin", "eager"}
+    assert set(result["guarded_dispatch_saves_us_per_layer"]) == {"prefill b1x128", "decode b1", "decode b8"}
     assert set(result["openmp_release_speedup"]) == {"qaic"}  # qaic-whole-spin was not run
     assert all(v > 0 for v in result["openmp_release_speedup"]["qaic"].values())
     assert set(result["region_entry_us_per_layer"]) == {"prefill b1x128", "decode b1", "decode b8"}

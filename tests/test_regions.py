@@ -117,6 +117,20 @@ def test_bad_options_are_refused_before_anything_compiles():
         qaic_dynamo.compile(llama(2), fallbak="error")
 
 
+def test_attributes_set_on_a_compiled_layer_reach_the_layer():
+    model = Stack(2)
+    qaic_dynamo.compile(model)
+    layer = model.layers[1]
+    layer.act = False
+    assert layer.module.act is False and "act" not in layer.__dict__
+    layer.extra = 3
+    assert layer.module.extra == 3 and layer.extra == 3
+    del layer.extra
+    assert not hasattr(layer.module, "extra")
+    model.eval()  # nn.Module's own fields stay the wrapper's (and train/eval reach the layer)
+    assert layer.training is False and layer.module.training is False
+
+
 def test_compiled_region_reads_through_to_the_block():
     model = qaic_dynamo.compile(llama(2))
     region = model.layers[0]
@@ -167,3 +181,163 @@ def test_a_block_runner_keeps_every_layers_weights_bound(L):
     for slot, inputs in bound.items():
         weights = {owner[ptr] for ptr in inputs.values() if ptr in owner}
         assert weights == {slot}, (slot, weights)
+
+
+# --- guarded dispatch: Dynamo's cache, Dynamo's guards, without Dynamo's per-call entry ---
+
+
+class Scaled(nn.Module):
+    """A block whose forward branches on a plain attribute: Dynamo guards on its value."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.act = True
+
+    def forward(self, x):
+        y = self.proj(x)
+        return torch.relu(y) if self.act else torch.tanh(y)
+
+
+class Stack(nn.Module):
+    def __init__(self, layers=3, width=8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(width, width)
+        self.layers = nn.ModuleList(Scaled(width) for _ in range(layers))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def compiled_stack(layers=2, **options):
+    """(the stack compiled region by region, an uncompiled copy, an input)."""
+    import copy
+
+    model = Stack(layers)
+    ref = copy.deepcopy(model)
+    qaic_dynamo.compile(model, **options)
+    x = torch.randn(4, 8)
+    return model, ref, x
+
+
+def test_blocks_run_dynamos_code_after_its_guards_pass():
+    """After the first call compiles the block, every later layer call runs the cached
+    code through the block's own guard check; the one region beside the blocks still
+    enters through Dynamo."""
+    L = 3
+    model, ref, x = compiled_stack(L)
+    with torch.no_grad():
+        with compilation_counter.expect(
+            num_guarded_region_calls=L - 1,  # layer 0 compiled the block; layers 1, 2 reuse it
+            num_dynamo_region_calls=1 + 1,  # inp, and the block's first call
+            num_graphs_seen=2,  # the block, inp
+        ):
+            got = model(x)
+        with compilation_counter.expect(num_guarded_region_calls=L, num_dynamo_region_calls=1, num_graphs_seen=0):
+            again = model(x)
+        want = ref(x)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(again, got)
+
+
+def test_a_changed_attribute_fails_the_guard_and_recompiles_not_silently_wrong():
+    """The guards that protect Dynamo's own dispatch protect this one: a block whose
+    ``act`` changed no longer passes, goes through Dynamo, and is recompiled."""
+    model, ref, x = compiled_stack()
+    with torch.no_grad():
+        model(x)
+        model.layers[1].act = False
+        ref.layers[1].act = False
+        with compilation_counter.expect(
+            num_guarded_region_calls=1,  # layer 0: act still True
+            num_dynamo_region_calls=1 + 1,  # inp, and layer 1 (its guard on act fails)
+            num_graphs_seen=1,  # the block recompiled for act=False
+        ):
+            got = model(x)
+        torch.testing.assert_close(got, ref(x))
+
+
+def test_grad_mode_and_dtype_are_guarded():
+    model, ref, x = compiled_stack()
+    with torch.no_grad():
+        model(x)
+    with compilation_counter.expect(num_guarded_region_calls=1, num_dynamo_region_calls=1 + 1):
+        got = model(x)  # grad enabled: the block's global-state guard fails once, then passes
+    torch.testing.assert_close(got, ref(x))
+    with torch.no_grad(), compilation_counter.expect(
+        num_guarded_region_calls=1,  # layer 1 passes the fp64 entry layer 0 compiled
+        num_dynamo_region_calls=1 + 1,  # inp; layer 0: no fp32 entry passes, Dynamo recompiles
+        num_graphs_seen=2,  # inp and the block, for fp64
+    ):
+        got = model.double()(x.double())
+    torch.testing.assert_close(got, ref.double()(x.double()))
+    assert model.layers[0].proj.weight.dtype == torch.float64
+
+
+def test_hooks_and_stances_go_through_dynamo():
+    model, _, x = compiled_stack()
+    with torch.no_grad():
+        model(x)
+        seen = []
+        handle = model.layers[1].module.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+        with compilation_counter.expect(num_guarded_region_calls=1, num_dynamo_region_calls=1 + 1):
+            model(x)  # layer 1 has a hook: Dynamo's path runs it
+        handle.remove()
+        assert seen == [torch.Size([4, 8])]
+        with torch.compiler.set_stance("force_eager"), compilation_counter.expect(
+            num_guarded_region_calls=0, num_dynamo_region_calls=1 + 2, num_graphs_seen=0
+        ):
+            model(x)
+
+
+def test_region_dispatch_dynamo_enters_through_torch_compile_every_time():
+    model = Stack(3)
+    qaic_dynamo.compile(model, region_dispatch="dynamo")
+    assert all(m.dispatch is None for m in model.layers)
+    with torch.no_grad(), compilation_counter.expect(num_guarded_region_calls=0, num_dynamo_region_calls=1 + 3):
+        model(torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("L", [2, 4])
+def test_guarded_and_dynamo_dispatch_give_the_same_tokens_and_logits(L):
+    model = llama(L)
+    outs = {d: engine(model, compile_options={"region_dispatch": d}).generate_outputs(PROMPTS, 4, return_logits=True)
+            for d in ("guarded", "dynamo")}
+    for a, b in zip(outs["guarded"], outs["dynamo"]):
+        assert a.token_ids == b.token_ids
+        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+
+
+def test_an_engine_step_runs_every_layer_through_the_guarded_path():
+    L = 4
+    llm = engine(llama(L))
+    llm.generate(PROMPTS, 2)  # compiles prefill and decode
+    with compilation_counter.expect(
+        num_guarded_region_calls=L,  # every layer
+        num_dynamo_region_calls=3,  # embed_tokens, norm, lm_head
+        num_graphs_seen=0,
+    ):
+        llm.generate([PROMPTS[0]], 1)  # one prefill step
+
+
+def test_on_an_untested_torch_blocks_enter_through_dynamo_with_one_warning(monkeypatch):
+    from qaic_dynamo import lowering, regions
+
+    monkeypatch.setattr(lowering, "TESTED_TORCH", "0.0.0")
+    regions.dynamo_internals.cache_clear()
+    try:
+        model = Stack(2)
+        with pytest.warns(RuntimeWarning, match=r"region_dispatch='guarded' unavailable\): torch .* is not the tested 0.0.0"):
+            qaic_dynamo.compile(model)
+        assert all(m.dispatch is None for m in model.layers)
+    finally:
+        regions.dynamo_internals.cache_clear()
+
+
+def test_bad_region_dispatch_is_refused():
+    with pytest.raises(ConfigError, match=r"'region_dispatch' must be one of \['guarded', 'dynamo'\], got 'fast'"):
+        qaic_dynamo.compile(Stack(2), region_dispatch="fast")
