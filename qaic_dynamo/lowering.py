@@ -54,7 +54,7 @@ import operator
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +80,7 @@ __all__ = [
     "kv_updates_to_retained_state",
     "finish_model",
     "lower_piece",
+    "infer_op_signatures",
     "onnx_registry",
     "translate_aten",
     "outputs_and_leaves",
@@ -585,6 +586,11 @@ def onnx_registry(opset: int) -> Any:
     source of every one of ~540 functions (``function_ir``) only to read a domain the
     registry never uses - 0.6 of its 1.2 s here, paid by every cold process that lowers.
     ``test_registry_matches_from_torchlib`` checks that both give the same functions.
+
+    The ONNX signature of each onnxscript function (what dispatch matches a node's
+    arguments against) is inferred when a graph first uses its op
+    (:func:`infer_op_signatures`), not here: inferring all ~560 up front took 0.3-0.5 s
+    of every cold process, for the dozen ops a transformer uses.
     """
     reg = torch_onnx_internals().registration
     # Importing the ops registers them in onnxscript's default registry.
@@ -601,12 +607,39 @@ def onnx_registry(opset: int) -> Any:
         if target is None:
             continue
         for fn, is_complex in [(f, False) for f in funcs.overloads] + [(f, True) for f in funcs.complex]:
-            registry._register(target, reg.OnnxDecompMeta(
-                onnx_function=fn, fx_target=target, signature=None, is_custom=False, is_complex=is_complex))
+            meta = reg.OnnxDecompMeta(onnx_function=fn, fx_target=target, signature=None, is_custom=False,
+                                      is_complex=is_complex, skip_signature_inference=True)
+            _UNINFERRED.add(id(meta))  # the registry keeps it alive, so its id stays its own
+            registry._register(target, meta)
     registry._cleanup_registry_based_on_opset_version()
     for target, fn in _translations().items():
         registry.register_op(target, fn, is_complex=False)
     return registry
+
+
+_signature_lock = threading.Lock()
+#: ids of the registry's metas whose signature :func:`infer_op_signatures` has yet to infer
+#: (torch's own torchlib metas may skip inference on purpose; those are never touched).
+_UNINFERRED: set[int] = set()
+
+
+def infer_op_signatures(registry: Any, graphs: Iterable[fx.Graph] | None) -> None:
+    """Infer the ONNX signature of every registry function an op of ``graphs`` may
+    dispatch to (every function, for None), as ``OnnxDecompMeta`` does at construction.
+
+    :func:`onnx_registry` leaves them uninferred; dispatch must never see one that way, as
+    it would then pick that function whatever the node's argument types."""
+    if graphs is None:
+        metas = [m for ms in registry.functions.values() for m in ms]
+    else:
+        targets = {n.target for g in graphs for n in g.nodes if n.op == "call_function"}
+        metas = [m for t in targets for m in registry.get_decomps(t)]
+    with _signature_lock:
+        for meta in metas:
+            if id(meta) in _UNINFERRED:
+                meta.skip_signature_inference = False
+                meta.__post_init__()  # the inference OnnxDecompMeta would have run
+                _UNINFERRED.discard(id(meta))
 
 
 @functools.cache
@@ -781,11 +814,12 @@ def translate_aten(gm: fx.GraphModule, input_names: Sequence[str], output_names:
 
     internals = torch_onnx_internals()
     model = ir.Model(ir.Graph([], [], nodes=[], name="main_graph"), ir_version=MAX_IR_VERSION, producer_name="qaic_dynamo")
+    registry = onnx_registry(opset)
     try:
+        infer_op_signatures(registry, [m.graph for m in gm.modules() if isinstance(m, fx.GraphModule)])
         with _memoized_op_signatures():
             internals.core._translate_fx_graph(
-                gm.graph, model, graph_like=model.graph, owned_graphs={}, lower="at_conversion",
-                registry=onnx_registry(opset)
+                gm.graph, model, graph_like=model.graph, owned_graphs={}, lower="at_conversion", registry=registry
             )
     except Exception as e:
         raise _DirectPathError(_failing_op(e), _first_line(e)) from e
@@ -888,8 +922,10 @@ def _lower_with_exporter(prepared: PreparedPiece, opset: int) -> onnx.ModelProto
             if internals is not None:
                 # opset_version=None: the registry already targets the opset, so no version
                 # conversion (which would also inline every function) is needed.
+                registry = onnx_registry(opset)
+                infer_op_signatures(registry, None)  # the exporter's graph is not known before it runs
                 program = internals.core.export(
-                    prepared.gm, tuple(prepared.example), registry=onnx_registry(opset), opset_version=None, **common
+                    prepared.gm, tuple(prepared.example), registry=registry, opset_version=None, **common
                 )
             else:
                 program = torch.onnx.export(

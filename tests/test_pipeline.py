@@ -453,6 +453,30 @@ def test_registry_matches_from_torchlib():
     assert qaic == {str(op.overload.name()) for op in QAIC_OPS.values() if op.onnx_function}
 
 
+def test_op_signatures_are_inferred_for_the_ops_a_graph_uses_and_equal_the_eager_inference():
+    # onnx_registry leaves onnxscript functions' signatures uninferred (0.3-0.5 s for all);
+    # infer_op_signatures fills in exactly those a graph's ops may dispatch to, with what
+    # OnnxDecompMeta would have inferred at construction.
+    import torch.fx as fx
+    from torch.onnx._internal.exporter._registration import OnnxDecompMeta
+
+    from qaic_dynamo.lowering import infer_op_signatures, onnx_registry
+
+    registry = onnx_registry.__wrapped__(18)  # a fresh one: another test may have inferred all of the cached one's
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.ops.aten.gelu.default, (graph.call_function(torch.ops.aten.mul.Tensor, (x, x)),)))
+    used = [m for t in (torch.ops.aten.mul.Tensor, torch.ops.aten.gelu.default) for m in registry.get_decomps(t)]
+    untouched = [m for m in registry.get_decomps(torch.ops.aten.bitwise_xor.Tensor) if m.signature is None]
+    assert used and untouched
+    infer_op_signatures(registry, [graph])
+    for meta in used:
+        eager = OnnxDecompMeta(onnx_function=meta.onnx_function, fx_target=meta.fx_target, signature=None,
+                               is_complex=meta.is_complex)
+        assert meta.signature is not None and meta.signature == eager.signature, meta.onnx_function
+    assert all(m.signature is None and m.skip_signature_inference for m in untouched)
+
+
 def test_without_the_direct_path_the_exporter_lowers_every_piece_with_one_warning(monkeypatch):
     from qaic_dynamo import lowering
 
