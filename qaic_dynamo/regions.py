@@ -163,7 +163,7 @@ class CompiledRegion(nn.Module):
             compiled_code = self.dispatch.lookup(args, kwargs)
             if compiled_code is not None:
                 compilation_counter.bump(num_guarded_region_calls=1)
-                return compiled_code(self._modules["module"], *args, **kwargs)
+                return compiled_code(*args, **kwargs)
         compilation_counter.bump(num_dynamo_region_calls=1)
         mark_dynamic_dims(args, kwargs)
         return self._compiled(*args, **kwargs)
@@ -206,13 +206,26 @@ class DynamoInternals:
       ``innermost_backend`` (the backend a compiled module's callback carries, as Dynamo
       matches it against an entry's);
     * torch.nn's global module hooks (``_global_forward_hooks`` and the like): with any
-      hook set the block goes through Dynamo, which runs them.
+      hook set the block goes through Dynamo, which runs them;
+    * the ``_TorchDynamoContext`` behind what ``torch.compile`` returned
+      (:meth:`context_of`): an ``OptimizedModule``'s ``dynamo_ctx``, or for a function the
+      ``self`` its ``compile_wrapper`` closes over - whose ``callback`` carries the backend.
     """
 
     cache_entries: Callable[[types.CodeType, int], list]
     eval_frame: Any
     innermost_backend: Callable[[Any], Any]
     global_hooks: tuple[dict, ...]
+
+    @staticmethod
+    def context_of(compiled: Any) -> Any:
+        ctx = getattr(compiled, "dynamo_ctx", None)
+        if ctx is None:
+            cells = dict(zip(getattr(compiled, "__code__", None).co_freevars, compiled.__closure__ or ()))
+            ctx = cells["self"].cell_contents if "self" in cells else None
+        if ctx is None or not hasattr(ctx, "callback"):
+            raise TypeError(f"{compiled!r} is not what torch.compile returns for a module or a function")
+        return ctx
 
 
 @functools.cache
@@ -235,6 +248,10 @@ def dynamo_internals() -> DynamoInternals | None:
                          "_global_backward_pre_hooks", "_global_forward_hooks_always_called")))
         if not all(hasattr(eval_frame._stance, a) for a in ("stance", "backend", "skip_guard_eval_unsafe")):
             return "torch._dynamo's stance lacks stance/backend/skip_guard_eval_unsafe"
+        try:  # nothing is traced until the compiled function is called
+            DynamoInternals.context_of(torch.compile(_entry(nn.Identity(), "probe"), backend="eager"))
+        except (TypeError, AttributeError, KeyError) as e:
+            return f"a function compiled by torch.compile no longer closes over its Dynamo context ({e})"
         return None
 
     if not check_private_api(probe, "regions enter through Dynamo on every call (region_dispatch='guarded' unavailable)"):
@@ -243,7 +260,7 @@ def dynamo_internals() -> DynamoInternals | None:
 
 
 class GuardedDispatch:
-    """Runs a compiled block's code after Dynamo's own guards pass, without Dynamo's entry.
+    """Runs a compiled region's code after Dynamo's own guards pass, without Dynamo's entry.
 
     A call through ``torch.compile``'s wrapper sets and restores the frame-evaluation
     callback, stance, dispatch-key and functorch state, then Dynamo's C frame evaluation
@@ -257,27 +274,44 @@ class GuardedDispatch:
 
     * a stance other than the default, Dynamo disabled, or a trace in progress
       (``torch.compiler.is_compiling``, ``torch.jit.is_tracing``);
-    * hooks on the block or global module hooks (``nn.Module.__call__`` runs them);
-    * a ``forward`` replaced on the instance or the class since compiling;
+    * hooks on the region's module or global module hooks (``nn.Module.__call__`` runs them);
+    * for a block, a ``forward`` replaced on the instance or the class since compiling;
     * no entry, or no entry of this backend whose guards pass (Dynamo then recompiles,
       or falls back, as it would have);
     * an entry whose code resumes after a graph break: its resume functions are compiled
       only when Dynamo's callback is set.
+
+    The compiled frame is either a block's ``forward`` (:meth:`for_block`: the module is
+    its ``self``) or a region's entry function (:meth:`for_function`: the embeddings, norm
+    and head, each called through a function of its own, see ``_entry``).
     """
 
-    def __init__(self, module: nn.Module, compiled: Any, internals: DynamoInternals) -> None:
-        self.module = module
-        self.func = type(module).forward
-        self.code = self.func.__code__
-        self.backend = internals.innermost_backend(compiled.dynamo_ctx.callback)
-        self.isolate_recompiles_id = getattr(compiled.dynamo_ctx, "_isolate_recompiles_id", -1)
+    def __init__(self, func: types.FunctionType, compiled: Any, internals: DynamoInternals, module: nn.Module,
+                 method: bool) -> None:
+        self.module = module  # the module whose hooks send a call through Dynamo
+        self.func = func
+        self.method = method  # func is type(module).forward, its frame's self is the module
+        self.code = func.__code__
+        ctx = internals.context_of(compiled)
+        self.backend = internals.innermost_backend(ctx.callback)
+        self.isolate_recompiles_id = getattr(ctx, "_isolate_recompiles_id", -1)
         self._internals = internals
         self._defaults: tuple = ()
-        self._signature: inspect.Signature | None = None
+        self._bind: Callable[[tuple, dict[str, Any]], dict[str, Any] | None] | None = None
         self._functions: dict[types.CodeType, Callable | None] = {}
 
+    @classmethod
+    def for_block(cls, block: nn.Module, compiled: Any, internals: DynamoInternals) -> GuardedDispatch:
+        return cls(type(block).forward, compiled, internals, block, method=True)
+
+    @classmethod
+    def for_function(cls, func: types.FunctionType, module: nn.Module, compiled: Any,
+                     internals: DynamoInternals) -> GuardedDispatch:
+        return cls(func, compiled, internals, module, method=False)
+
     def lookup(self, args: tuple, kwargs: dict[str, Any]) -> Callable | None:
-        """The compiled code Dynamo would run for ``module(*args, **kwargs)``, or None."""
+        """The compiled code Dynamo would run for this call (the module already bound
+        for a block, so it takes ``*args, **kwargs``), or None."""
         internals, module, func = self._internals, self.module, self.func
         stance = internals.eval_frame._stance
         if (stance.stance != "default" or stance.backend is not None or stance.skip_guard_eval_unsafe
@@ -286,7 +320,7 @@ class GuardedDispatch:
         if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or module._backward_pre_hooks or any(internals.global_hooks)):
             return None
-        if type(module).forward is not func or "forward" in module.__dict__:
+        if self.method and (type(module).forward is not func or "forward" in module.__dict__):
             return None
         f_locals = self._frame_locals(args, kwargs)
         if f_locals is None:
@@ -302,18 +336,13 @@ class GuardedDispatch:
         """The locals Dynamo's frame evaluation guards on: arguments bound as the frame binds
         them, and the free variables' current values."""
         func = self.func
-        if self._signature is None or self._defaults[0] is not func.__defaults__ or self._defaults[1] is not func.__kwdefaults__:
-            # Not follow_wrapped: the frame binds the function's own parameters, not those of the
-            # function it wraps (transformers' forward_with_checkpointing(self, *args, **kwargs)).
-            self._signature = inspect.signature(func, follow_wrapped=False)
+        if self._bind is None or self._defaults[0] is not func.__defaults__ or self._defaults[1] is not func.__kwdefaults__:
+            self._bind = _binder(func)
             self._defaults = (func.__defaults__, func.__kwdefaults__)
             self._functions.clear()
-        try:
-            bound = self._signature.bind(self.module, *args, **kwargs)
-        except TypeError:
+        f_locals = self._bind((self.module, *args) if self.method else args, kwargs)
+        if f_locals is None:
             return None  # Dynamo's path raises the real error
-        bound.apply_defaults()
-        f_locals = bound.arguments
         for name, cell in zip(self.code.co_freevars, func.__closure__ or ()):
             try:
                 f_locals[name] = cell.cell_contents
@@ -327,8 +356,47 @@ class GuardedDispatch:
             if code.co_freevars == self.code.co_freevars and not any(n.startswith("__resume_at_") for n in code.co_names):
                 fn = types.FunctionType(code, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
                 fn.__kwdefaults__ = func.__kwdefaults__
+                if self.method:
+                    fn = types.MethodType(fn, self.module)
             self._functions[code] = fn
         return self._functions[code]
+
+
+def _binder(func: types.FunctionType) -> Callable[[tuple, dict[str, Any]], dict[str, Any] | None]:
+    """``bind(args, kwargs)``: ``func``'s frame locals for a call, or None where the call
+    would raise. A signature of plain parameters without defaults then ``*args, **kwargs``
+    (transformers' ``forward_with_checkpointing(self, *args, **kwargs)``, our region
+    entries) is bound directly; every other goes through ``inspect.Signature.bind``, which
+    costs ~12 us a call here (40 us inside a decode step, with the caches cold)."""
+    # Not follow_wrapped: the frame binds the function's own parameters, not those of the
+    # function it wraps.
+    signature = inspect.signature(func, follow_wrapped=False)
+    params = list(signature.parameters.values())
+    P = inspect.Parameter
+    plain = [p.name for p in params[:-2] if p.kind is P.POSITIONAL_OR_KEYWORD and p.default is P.empty]
+    if (len(params) >= 2 and len(plain) == len(params) - 2
+            and params[-2].kind is P.VAR_POSITIONAL and params[-1].kind is P.VAR_KEYWORD):
+        n, var_args, var_kwargs = len(plain), params[-2].name, params[-1].name
+
+        def bind(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+            if len(args) < n or any(k in kwargs for k in plain):
+                return None
+            f_locals = dict(zip(plain, args))
+            f_locals[var_args] = args[n:]
+            f_locals[var_kwargs] = dict(kwargs)
+            return f_locals
+
+        return bind
+
+    def bind_any(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return None
+        bound.apply_defaults()
+        return bound.arguments
+
+    return bind_any
 
 
 def _drop_wrapper_prefix(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
@@ -363,11 +431,15 @@ def compile(model: nn.Module, **options: Any) -> nn.Module:  # noqa: A001  (mirr
         for i, block in enumerate(blocks):
             compiled = torch.compile(block, backend="qaic", options=dict(options))
             internals = dynamo_internals() if config.region_dispatch == "guarded" else None
-            dispatch = GuardedDispatch(block, compiled, internals) if internals is not None else None
+            dispatch = GuardedDispatch.for_block(block, compiled, internals) if internals is not None else None
             blocks[i] = CompiledRegion(block, compiled, dispatch)
     for parent, name, path in plan.rest:
         module = getattr(parent, name)
-        setattr(parent, name, CompiledRegion(module, torch.compile(_entry(module, path), backend="qaic", options=dict(options))))
+        entry = _entry(module, path)
+        compiled = torch.compile(entry, backend="qaic", options=dict(options))
+        internals = dynamo_internals() if config.region_dispatch == "guarded" else None
+        dispatch = GuardedDispatch.for_function(entry, module, compiled, internals) if internals is not None else None
+        setattr(parent, name, CompiledRegion(module, compiled, dispatch))
     return model
 
 

@@ -226,8 +226,8 @@ def compiled_stack(layers=2, **options):
 
 def test_blocks_run_dynamos_code_after_its_guards_pass():
     """After the first call compiles the block, every later layer call runs the cached
-    code through the block's own guard check; the one region beside the blocks still
-    enters through Dynamo."""
+    code through the block's own guard check; so does the region beside the blocks (its
+    entry function's frame) once it is compiled."""
     L = 3
     model, ref, x = compiled_stack(L)
     with torch.no_grad():
@@ -237,7 +237,11 @@ def test_blocks_run_dynamos_code_after_its_guards_pass():
             num_graphs_seen=2,  # the block, inp
         ):
             got = model(x)
-        with compilation_counter.expect(num_guarded_region_calls=L, num_dynamo_region_calls=1, num_graphs_seen=0):
+        with compilation_counter.expect(
+            num_guarded_region_calls=L + 1,  # every layer, and inp
+            num_dynamo_region_calls=0,
+            num_graphs_seen=0,
+        ):
             again = model(x)
         want = ref(x)
     torch.testing.assert_close(got, want)
@@ -253,8 +257,8 @@ def test_a_changed_attribute_fails_the_guard_and_recompiles_not_silently_wrong()
         model.layers[1].act = False
         ref.layers[1].act = False
         with compilation_counter.expect(
-            num_guarded_region_calls=1,  # layer 0: act still True
-            num_dynamo_region_calls=1 + 1,  # inp, and layer 1 (its guard on act fails)
+            num_guarded_region_calls=1 + 1,  # inp, and layer 0: act still True
+            num_dynamo_region_calls=1,  # layer 1: its guard on act fails
             num_graphs_seen=1,  # the block recompiled for act=False
         ):
             got = model(x)
@@ -284,14 +288,75 @@ def test_hooks_and_stances_go_through_dynamo():
         model(x)
         seen = []
         handle = model.layers[1].module.register_forward_hook(lambda m, a, out: seen.append(out.shape))
-        with compilation_counter.expect(num_guarded_region_calls=1, num_dynamo_region_calls=1 + 1):
-            model(x)  # layer 1 has a hook: Dynamo's path runs it
+        with compilation_counter.expect(num_guarded_region_calls=1 + 1, num_dynamo_region_calls=1):
+            model(x)  # inp and layer 0 pass; layer 1 has a hook: Dynamo's path runs it
         handle.remove()
         assert seen == [torch.Size([4, 8])]
         with torch.compiler.set_stance("force_eager"), compilation_counter.expect(
             num_guarded_region_calls=0, num_dynamo_region_calls=1 + 2, num_graphs_seen=0
         ):
             model(x)
+
+
+@torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
+def test_a_hook_on_a_region_beside_the_blocks_goes_through_dynamo():
+    """The module of a region beside the blocks is called inside the region's compiled
+    function: a hook added later is Dynamo's to see, and it does when told to guard on
+    hooks (by default it ignores them, as for any ``torch.compile``d model)."""
+    model, _, x = compiled_stack()
+    with torch.no_grad():
+        model(x)
+        seen = []
+        model.inp.module.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape))
+        with compilation_counter.expect(
+            num_guarded_region_calls=2,  # the 2 layers
+            num_dynamo_region_calls=1,  # inp has a hook
+            num_graphs_seen=1,  # inp, recompiled with its hook
+        ):
+            model(x)
+        assert seen == [torch.Size([4, 8])]
+
+
+class Forwarding(nn.Module):
+    """A block whose frame is ``forward(self, *args, **kwargs)``, as transformers' layers'
+    ``forward_with_checkpointing``: its locals are bound without inspect."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.inner = Scaled(width)
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args) * kwargs.get("scale", 1.0)
+
+
+class ForwardingStack(Stack):
+    def __init__(self, layers=3, width=8):
+        super().__init__(layers, width)
+        self.layers = nn.ModuleList(Forwarding(width) for _ in range(layers))
+
+    def forward(self, x, scale=1.0):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x, scale=scale)
+        return x
+
+
+def test_varargs_blocks_are_guarded_on_their_bound_kwargs():
+    import copy
+
+    model = ForwardingStack(3)
+    ref = copy.deepcopy(model)
+    qaic_dynamo.compile(model)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        model(x)
+        with compilation_counter.expect(num_guarded_region_calls=3 + 1, num_dynamo_region_calls=0):
+            torch.testing.assert_close(model(x), ref(x))
+        with compilation_counter.expect(
+            num_guarded_region_calls=1 + 2,  # inp; layers 1, 2 pass the entry layer 0 compiled for scale=2
+            num_dynamo_region_calls=1,  # layer 0: the guard on kwargs['scale'] fails, Dynamo recompiles
+        ):
+            torch.testing.assert_close(model(x, scale=2.0), ref(x, scale=2.0))
 
 
 def test_region_dispatch_dynamo_enters_through_torch_compile_every_time():
@@ -317,8 +382,8 @@ def test_an_engine_step_runs_every_layer_through_the_guarded_path():
     llm = engine(llama(L))
     llm.generate(PROMPTS, 2)  # compiles prefill and decode
     with compilation_counter.expect(
-        num_guarded_region_calls=L,  # every layer
-        num_dynamo_region_calls=3,  # embed_tokens, norm, lm_head
+        num_guarded_region_calls=L + 3,  # every layer, embed_tokens, norm, lm_head
+        num_dynamo_region_calls=0,
         num_graphs_seen=0,
     ):
         llm.generate([PROMPTS[0]], 1)  # one prefill step
