@@ -77,6 +77,7 @@ __all__ = [
     "LoweringError",
     "PreparedPiece",
     "export_inputs",
+    "fake_values",
     "kv_updates_to_retained_state",
     "finish_model",
     "lower_piece",
@@ -324,8 +325,9 @@ def export_inputs(rw: _Rewrite) -> tuple[list[torch.Tensor], list[dict[int, Any]
 
 
 def prepare(gm: fx.GraphModule, example_args: Sequence[Any], fake_mode: Any) -> PreparedPiece:
-    """Run the four passes over a copy of ``gm``; ``gm`` itself is left untouched."""
-    FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*example_args)
+    """Run the four passes over a copy of ``gm``; ``gm`` itself is left untouched (but
+    for its nodes' ``meta["val"]``)."""
+    fake_values(gm, example_args, fake_mode)
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     out_val = g.graph_copy(gm.graph, env)  # copies everything but the output node
@@ -357,6 +359,29 @@ def prepare(gm: fx.GraphModule, example_args: Sequence[Any], fake_mode: Any) -> 
     return PreparedPiece(
         fx.GraphModule(gm, g).eval(), example, dynamic, [i["name"] for i in inputs], [o["name"] for o in outputs], layout
     )
+
+
+def fake_values(gm: fx.GraphModule, example_args: Sequence[Any], fake_mode: Any) -> None:
+    """Give every node of ``gm`` its fake value, ``meta["val"]``, for ``example_args``.
+
+    Dynamo recorded each node's value as it traced, in the same fake mode, as
+    ``meta["example_value"]``, and ``split_module`` copies node meta into the pieces: a
+    piece whose placeholders hold exactly ``example_args`` (the backend's pieces) takes
+    those. Running ``FakeTensorProp`` instead re-runs every op on fakes with symbolic
+    shapes: 0.1-0.4 s a piece here, as much as its whole aten trace. Any other graph (one
+    a node of which lacks the value, or called on other arguments) is propagated.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    # A node nothing reads may lack one (Dynamo records no value for a call it keeps only
+    # for its side effect, e.g. torch._C._log_api_usage_once); dead code is dropped later.
+    body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output") and (n.users or "example_value" in n.meta)]
+    if (len(placeholders) == len(example_args)
+            and all(n.meta.get("example_value") is a for n, a in zip(placeholders, example_args))
+            and all("example_value" in n.meta for n in body)):
+        for n in placeholders + body:
+            n.meta["val"] = n.meta["example_value"]
+        return
+    FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*example_args)
 
 
 def _symbol_hints(example_args: Sequence[Any]) -> dict[sympy.Symbol, torch.SymInt]:

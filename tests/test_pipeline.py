@@ -433,6 +433,49 @@ def test_every_piece_is_lowered_directly():
         assert set(stats["seconds"]) == {"prepare", "aten_trace", "translate", "checks", "save"}
 
 
+def test_pieces_take_dynamos_fake_values_which_equal_fake_tensor_propagation(monkeypatch):
+    # prepare() reads every node's value from Dynamo's meta["example_value"] instead of
+    # re-running the piece on fakes; both must give the same value for every node.
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from qaic_dynamo import lowering
+
+    seen, original = [], lowering.fake_values
+
+    def checked(gm, example_args, fake_mode):
+        propagated = FakeTensorProp.propagate_dont_convert_inputs
+        calls = []
+        monkeypatch.setattr(FakeTensorProp, "propagate_dont_convert_inputs", lambda *a: calls.append(a))
+        original(gm, example_args, fake_mode)
+        monkeypatch.setattr(FakeTensorProp, "propagate_dont_convert_inputs", propagated)
+        assert calls == [], "a backend piece must not be propagated again"
+        taken = {n: n.meta.pop("val") for n in gm.graph.nodes if "val" in n.meta}
+        FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*example_args)
+        for node, val in taken.items():
+            want = node.meta["val"]
+            if isinstance(want, torch.Tensor):
+                assert (str(val.shape), val.dtype, str(val.stride())) == (str(want.shape), want.dtype, str(want.stride())), node
+            else:
+                assert str(val) == str(want), node
+        seen.append(len(taken))
+
+    monkeypatch.setattr(lowering, "fake_values", checked)
+    model = llama(2)
+    run_steps(model, torch.compile(model, backend="qaic", options={"fallback": "error"}), steps=1)
+    assert len(seen) == 3 and all(n > 5 for n in seen), seen  # first, middle, last piece
+
+
+def test_fake_values_propagate_a_graph_without_dynamos_values():
+    from qaic_dynamo.lowering import fake_values
+
+    gm = fx.symbolic_trace(nn.Sequential(nn.Linear(4, 3), nn.ReLU()))
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)  # the weights are real
+    x = mode.from_tensor(torch.randn(2, 4))
+    fake_values(gm, [x], mode)
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert out.meta["val"].shape == (2, 3)
+
+
 def test_registry_matches_from_torchlib():
     # onnx_registry builds torch.onnx's registry without from_torchlib's slow listing; it
     # must hold the same functions for every op, or the direct path would translate
