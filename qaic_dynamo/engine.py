@@ -190,12 +190,12 @@ class LLM:
         if backend == "eager":
             self._fn = self.model
         elif backend == "qaic":
-            if regional:
-                from qaic_dynamo.regions import compile as compile_regions
+            from qaic_dynamo.regions import compile as compile_regions, specialized_floats
 
+            if regional:
                 self._fn = compile_regions(self.model, **(compile_options or {}))
             else:
-                self._fn = torch.compile(self.model, backend="qaic", options=compile_options)
+                self._fn = specialized_floats()(torch.compile(self.model, backend="qaic", options=compile_options))
         else:
             self._fn = torch.compile(self.model, backend="inductor")
         self.stats: dict[str, float] = {}

@@ -943,19 +943,26 @@ def _lower_with_exporter(prepared: PreparedPiece, opset: int) -> onnx.ModelProto
         # The exporter traces with torch.export. Run it outside Dynamo's tracing context,
         # or the guards it records on its own inputs leak into the frame being compiled.
         with torch._guards.tracing(None), _exporter_noise_suppressed():
+            # Non-strict only, and here: given a module, the exporter retries a failed
+            # non-strict export with strict=True, i.e. with Dynamo - inside the Dynamo
+            # compile that called this backend. Dynamo's export then drops the cache entries
+            # of the code it was handed (or, for a callable it cannot key, all of them),
+            # and the outer compile crashed building its guards on the freed entries
+            # (InternalTorchDynamoError or a segfault; seen on a recompile of a model whose
+            # float attribute had become a graph input).
+            exported = torch.export.export(
+                prepared.gm, tuple(prepared.example), dynamic_shapes=tuple(prepared.dynamic_shapes), strict=False
+            )
             internals = torch_onnx_internals()
             if internals is not None:
                 # opset_version=None: the registry already targets the opset, so no version
                 # conversion (which would also inline every function) is needed.
                 registry = onnx_registry(opset)
                 infer_op_signatures(registry, None)  # the exporter's graph is not known before it runs
-                program = internals.core.export(
-                    prepared.gm, tuple(prepared.example), registry=registry, opset_version=None, **common
-                )
+                program = internals.core.export(exported, registry=registry, opset_version=None, **common)
             else:
                 program = torch.onnx.export(
-                    prepared.gm, tuple(prepared.example), dynamo=True, opset_version=opset,
-                    custom_translation_table=_translations(), **common,
+                    exported, dynamo=True, opset_version=opset, custom_translation_table=_translations(), **common,
                 )
             return program.model_proto
     except Exception as e:

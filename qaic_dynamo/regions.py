@@ -56,7 +56,7 @@ from qaic_dynamo.forward_context import get_forward_context, has_forward_context
 
 __all__ = [
     "CompiledRegion", "DynamoInternals", "GuardedDispatch", "RegionPlan", "compile", "dynamo_internals",
-    "find_repeated_blocks", "plan_regions",
+    "find_repeated_blocks", "plan_regions", "specialized_floats",
 ]
 
 
@@ -119,6 +119,20 @@ def plan_regions(model: nn.Module) -> RegionPlan:
     return plan
 
 
+def specialized_floats() -> Any:
+    """Dynamo's config for a qaic compile: floats specialised (a context manager, or a
+    decorator).
+
+    By default (``specialize_float=False``) Dynamo turns a float that changed between two
+    compiles of one code object - Llama's ``rms_norm_eps`` on a second model of the same
+    class, 1e-5 then 1e-6 - into a 0-d tensor input of the recompiled graph, read back with
+    ``item()``. The qaic backend cannot carry that scalar across a piece boundary, so those
+    pieces ran eagerly (with a warning). Specialised, the float is a constant guarded by
+    value: the second model gets an entry of its own, lowered like the first's.
+    """
+    return torch._dynamo.config.patch(specialize_float=True)
+
+
 def _tensors(values: Any) -> Iterator[torch.Tensor]:
     for v in values:
         if isinstance(v, torch.Tensor):
@@ -166,7 +180,8 @@ class CompiledRegion(nn.Module):
                 return compiled_code(*args, **kwargs)
         compilation_counter.bump(num_dynamo_region_calls=1)
         mark_dynamic_dims(args, kwargs)
-        return self._compiled(*args, **kwargs)
+        with specialized_floats():
+            return self._compiled(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         try:

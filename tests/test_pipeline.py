@@ -476,6 +476,26 @@ def test_fake_values_propagate_a_graph_without_dynamos_values():
     assert out.meta["val"].shape == (2, 3)
 
 
+def test_an_exporter_fallback_during_a_recompile_does_not_crash_dynamo():
+    # A second model of the same class with another rms_norm eps makes Dynamo recompile the
+    # forward with the float as a graph input; the pieces that read it cannot be lowered
+    # directly and go to the exporter. The exporter used to retry with a strict (Dynamo)
+    # export inside this compile, which dropped the frame's cache entries under it:
+    # InternalTorchDynamoError or a segfault. Now those pieces run eagerly, with a warning.
+    outs = []
+    for eps in (1e-5, 1e-6):
+        torch.manual_seed(0)
+        model = QaicLlamaForCausalLM(QaicLlamaConfig(num_hidden_layers=2, rms_norm_eps=eps)).eval()
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            got = run_steps(model, torch.compile(model, backend="qaic"), steps=1)
+        want = run_steps(model, model, steps=1)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        outs.append(got)
+    assert not torch.equal(outs[0][0], outs[1][0]), "the two models differ"
+
+
 def test_registry_matches_from_torchlib():
     # onnx_registry builds torch.onnx's registry without from_torchlib's slow listing; it
     # must hold the same functions for every op, or the direct path would translate

@@ -67,6 +67,18 @@ def test_mla_regional_matches_eager():
     assert got == engine(model, backend="eager").generate(PROMPTS, 5)
 
 
+@pytest.mark.parametrize("regional", [True, False], ids=["regional", "whole"])
+def test_a_second_model_of_the_same_class_with_another_float_is_compiled_too(regional):
+    """Two models sharing the block class, rms_norm eps 1e-5 and 1e-6: the second one's
+    recompile keeps the eps a constant (LLM compiles with floats specialised), so it is
+    lowered like the first, not run eagerly."""
+    for eps in (1e-5, 1e-6):
+        model = llama(2, rms_norm_eps=eps)
+        with compilation_counter.expect(num_eager_fallbacks=0, num_exporter_fallbacks=0):
+            got = engine(model, regional=regional).generate(PROMPTS, 3)
+        assert got == engine(model, backend="eager").generate(PROMPTS, 3)
+
+
 def test_per_layer_names_in_a_block_are_refused_by_dynamo_not_silently_wrong():
     """With real layer names (the baseline) a traced block reads a per-layer constant:
     Dynamo re-traces it per layer. It stays correct; the point of the magic name is that
