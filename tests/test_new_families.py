@@ -105,3 +105,35 @@ def test_layers_without_rope_get_their_own_pieces_and_never_a_wrong_share(layers
         # too (never a share across kinds); 2 x 2 block pieces + 4 regions, whatever the depth
         num_backend_compilations=2 * 2 + 4,
     ))
+
+
+@pytest.mark.slow  # ~1 min: every family compiled twice; `make test-all` runs it
+def test_every_piece_lowers_to_the_same_onnx_with_torch_onnxs_full_decomposition_table(tmp_path, monkeypatch):
+    """lowering.decompositions leaves out the CompositeImplicitAutograd entries of
+    torch.onnx's table (make_fx runs those kernels itself): the ONNX of every piece must
+    be byte-identical to what the full table gives."""
+    from qaic_dynamo import lowering
+    from qaic_dynamo.cache import artifact_cache
+    from qaic_dynamo.models import QaicMLAConfig, QaicMLAForCausalLM
+
+    def onnx_files(tag):
+        torch._dynamo.reset()
+        artifact_cache.clear_memory()
+        for name, make in {"gemma2": lambda: gemma2(2), "gpt_oss": lambda: gpt_oss(2),
+                           "qwen2_moe": lambda: qwen2_moe(2),
+                           "mla": lambda: QaicMLAForCausalLM(QaicMLAConfig(num_hidden_layers=2)).eval()}.items():
+            torch.manual_seed(0)
+            llm = LLM(make(), backend="qaic", compile_options={"cache": False, "dump_dir": str(tmp_path / tag / name)})
+            llm.generate(PROMPTS, 2)
+        # Keyed by model and fingerprint: the graph numbers in the paths count on across runs.
+        return {(p.relative_to(tmp_path / tag).parts[0], p.stem.rsplit("_", 1)[-1]): p.read_bytes()
+                for p in sorted((tmp_path / tag).rglob("*.onnx"))}
+
+    ours = onnx_files("ours")
+    onnx_decomp = lowering.torch_onnx_internals().decomp
+    full = onnx_decomp.create_onnx_friendly_decomposition_table(
+        set(onnx_decomp.get_onnx_implemented_overloads(lowering.onnx_registry(18))))
+    monkeypatch.setattr(lowering, "decompositions", lambda opset: full)
+    theirs = onnx_files("full")
+    assert len(ours) >= 15 and ours.keys() == theirs.keys()  # 19 here: identical regions are lowered once
+    assert [str(k) for k in ours if ours[k] != theirs[k]] == []

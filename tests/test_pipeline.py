@@ -516,6 +516,26 @@ def test_registry_matches_from_torchlib():
     assert qaic == {str(op.overload.name()) for op in QAIC_OPS.values() if op.onnx_function}
 
 
+def test_decompositions_are_the_exporters_without_its_composite_implicit_entries():
+    # The direct path's table is torch.onnx's create_onnx_friendly_decomposition_table
+    # minus the entries that only run an op's CompositeImplicitAutograd kernel (make_fx
+    # runs that kernel itself for an op without an entry): the same function for every op
+    # it keeps, and every op it leaves out is such an op.
+    from torch._export.utils import _is_cia_op
+
+    from qaic_dynamo.lowering import decompositions, onnx_registry, torch_onnx_internals
+
+    onnx_decomp = torch_onnx_internals().decomp
+    full = onnx_decomp.create_onnx_friendly_decomposition_table(
+        set(onnx_decomp.get_onnx_implemented_overloads(onnx_registry(18))))
+    ours = decompositions(18)
+    assert ours.keys() <= full.keys()
+    assert [op for op in ours if ours[op] is not full[op]] == []
+    left_out = [op for op in full if op not in ours]
+    assert len(ours) > 500 and len(left_out) > 100
+    assert [op for op in left_out if not _is_cia_op(op)] == []
+
+
 def test_op_signatures_are_inferred_for_the_ops_a_graph_uses_and_equal_the_eager_inference():
     # onnx_registry leaves onnxscript functions' signatures uninferred (0.3-0.5 s for all);
     # infer_op_signatures fills in exactly those a graph's ops may dispatch to, with what
