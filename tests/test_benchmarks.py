@@ -41,6 +41,7 @@ def test_backend_stages_benchmark_smoke(tmp_path):
     assert "fingerprint + reuse =" in out and "decode 8x / 1x capacity" in out
 
 
+@pytest.mark.slow  # ~80 s of fresh processes on 2 cores (CI's 20-minute budget); `make test-all` runs it
 def test_cold_start_benchmark_smoke(tmp_path):
     out = run_benchmark("cold_start.py", tmp_path, "--smoke", "--methods", "regional", "qaic", "floor")
     result = json.loads((tmp_path / "cold_start_smoke.json").read_text())
@@ -56,6 +57,7 @@ def test_cold_start_benchmark_smoke(tmp_path):
     assert "Cold start" in out and "Targets (issue 10)" in out
 
 
+@pytest.mark.slow  # ~35 s of fresh processes on 2 cores (CI's 20-minute budget); `make test-all` runs it
 def test_decode_latency_benchmark_smoke(tmp_path):
     out = run_benchmark("decode_latency.py", tmp_path, "--backends", "qaic", "qaic-whole", "qaic-dynamo-entry",
                         "qaic-spin", "eager")
@@ -81,6 +83,7 @@ def test_export_benchmark_smoke(tmp_path):
     assert (tmp_path / "export_quick.png").stat().st_size > 1000
 
 
+@pytest.mark.slow  # ~30 s of fresh processes on 2 cores (CI's 20-minute budget); `make test-all` runs it
 def test_disagg_benchmark_smoke(tmp_path):
     out = run_benchmark("disagg.py", tmp_path, "--backend", "eager")
     result = json.loads((tmp_path / "disagg_quick.json").read_text())

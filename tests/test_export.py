@@ -254,7 +254,7 @@ def random_feeds(names_shapes, batch, seq, ctx, seed=0):
     return feeds
 
 
-@pytest.mark.parametrize("layers", [4, 6])
+@pytest.mark.parametrize("layers", [4, pytest.param(6, marks=pytest.mark.slow)])
 def test_stitched_equals_direct_whole_model_export(layers, tmp_path):
     model = llama(layers)
     stitched = export_for_qaic(model, tmp_path, layerwise=True, **SHAPE)
