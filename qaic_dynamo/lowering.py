@@ -719,7 +719,7 @@ class _DirectPathError(Exception):
         self.op = op
 
 
-def _fake_inputs(example: Sequence[torch.Tensor], dynamic_shapes: Sequence[dict[int, Any] | None]) -> list[torch.Tensor]:
+def fake_inputs(example: Sequence[torch.Tensor], dynamic_shapes: Sequence[dict[int, Any] | None]) -> list[torch.Tensor]:
     """Fresh fake inputs whose dynamic dims (and only those) are symbols; dims given the
     same *string* name (the deployment export's "batch_size", "ctx_len") are one symbol.
 
@@ -730,6 +730,12 @@ def _fake_inputs(example: Sequence[torch.Tensor], dynamic_shapes: Sequence[dict[
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
+    # Without the fake-tensor dispatch cache: a piece is traced once, so an entry is almost
+    # never hit again, and building one with symbolic sizes (validating and re-deriving
+    # the output's sizes and strides as sympy expressions) costs more than running the
+    # op's meta kernel. Measured: the decoder block's first piece traces in 0.30 s
+    # instead of 0.53-0.67 s; the pieces' ONNX is byte-identical.
+    mode.cache_enabled = False
     fakes = []
     for t, dynamic in zip(example, dynamic_shapes):
         dims = [DimDynamic.DYNAMIC if d in (dynamic or {}) else DimDynamic.STATIC for d in range(t.dim())]
@@ -759,7 +765,7 @@ def aten_graph(
     from torch.fx.experimental.proxy_tensor import make_fx
 
     internals = torch_onnx_internals()
-    fakes = _fake_inputs(example, dynamic_shapes)
+    fakes = fake_inputs(example, dynamic_shapes)
     with (
         torch._guards.tracing(None),  # the passes below detect their fake mode through it
         torch.fx.experimental._config.patch(backed_size_oblivious=True),

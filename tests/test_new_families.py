@@ -107,33 +107,85 @@ def test_layers_without_rope_get_their_own_pieces_and_never_a_wrong_share(layers
     ))
 
 
+def onnx_of_every_piece(out_dir):
+    """The ONNX bytes of every piece of the families and the MLA model (regional, as LLM
+    compiles them), lowered afresh into ``out_dir``; keyed by model and fingerprint (the
+    graph numbers in the paths count on across runs)."""
+    from qaic_dynamo.cache import artifact_cache
+    from qaic_dynamo.models import QaicMLAConfig, QaicMLAForCausalLM
+
+    torch._dynamo.reset()
+    artifact_cache.clear_memory()
+    for name, make in {"gemma2": lambda: gemma2(2), "gpt_oss": lambda: gpt_oss(2),
+                       "qwen2_moe": lambda: qwen2_moe(2),
+                       "mla": lambda: QaicMLAForCausalLM(QaicMLAConfig(num_hidden_layers=2)).eval()}.items():
+        torch.manual_seed(0)
+        llm = LLM(make(), backend="qaic", compile_options={"cache": False, "dump_dir": str(out_dir / name)})
+        llm.generate(PROMPTS, 2)
+    return {(p.relative_to(out_dir).parts[0], p.stem.rsplit("_", 1)[-1]): p.read_bytes()
+            for p in sorted(out_dir.rglob("*.onnx"))}
+
+
 @pytest.mark.slow  # ~1 min: every family compiled twice; `make test-all` runs it
 def test_every_piece_lowers_to_the_same_onnx_with_torch_onnxs_full_decomposition_table(tmp_path, monkeypatch):
     """lowering.decompositions leaves out the CompositeImplicitAutograd entries of
     torch.onnx's table (make_fx runs those kernels itself): the ONNX of every piece must
     be byte-identical to what the full table gives."""
     from qaic_dynamo import lowering
-    from qaic_dynamo.cache import artifact_cache
-    from qaic_dynamo.models import QaicMLAConfig, QaicMLAForCausalLM
 
-    def onnx_files(tag):
-        torch._dynamo.reset()
-        artifact_cache.clear_memory()
-        for name, make in {"gemma2": lambda: gemma2(2), "gpt_oss": lambda: gpt_oss(2),
-                           "qwen2_moe": lambda: qwen2_moe(2),
-                           "mla": lambda: QaicMLAForCausalLM(QaicMLAConfig(num_hidden_layers=2)).eval()}.items():
-            torch.manual_seed(0)
-            llm = LLM(make(), backend="qaic", compile_options={"cache": False, "dump_dir": str(tmp_path / tag / name)})
-            llm.generate(PROMPTS, 2)
-        # Keyed by model and fingerprint: the graph numbers in the paths count on across runs.
-        return {(p.relative_to(tmp_path / tag).parts[0], p.stem.rsplit("_", 1)[-1]): p.read_bytes()
-                for p in sorted((tmp_path / tag).rglob("*.onnx"))}
-
-    ours = onnx_files("ours")
+    ours = onnx_of_every_piece(tmp_path / "ours")
     onnx_decomp = lowering.torch_onnx_internals().decomp
     full = onnx_decomp.create_onnx_friendly_decomposition_table(
         set(onnx_decomp.get_onnx_implemented_overloads(lowering.onnx_registry(18))))
     monkeypatch.setattr(lowering, "decompositions", lambda opset: full)
-    theirs = onnx_files("full")
+    theirs = onnx_of_every_piece(tmp_path / "full")
     assert len(ours) >= 15 and ours.keys() == theirs.keys()  # 19 here: identical regions are lowered once
     assert [str(k) for k in ours if ours[k] != theirs[k]] == []
+
+
+@pytest.mark.slow  # ~1 min: every family compiled twice; `make test-all` runs it
+def test_every_piece_lowers_to_the_same_onnx_with_the_fake_tensor_cache_on(tmp_path, monkeypatch):
+    """lowering.fake_inputs turns the fake-tensor dispatch cache off (it costs more than it
+    saves in a single trace): a pure speed setting, so the ONNX of every piece must be
+    byte-identical to what a trace with the cache gives."""
+    from qaic_dynamo import lowering
+
+    ours = onnx_of_every_piece(tmp_path / "uncached")
+    uncached = lowering.fake_inputs
+
+    def cached(*args):
+        fakes = uncached(*args)
+        assert fakes and not fakes[0].fake_mode.cache_enabled
+        fakes[0].fake_mode.cache_enabled = True
+        return fakes
+
+    monkeypatch.setattr(lowering, "fake_inputs", cached)
+    theirs = onnx_of_every_piece(tmp_path / "cached")
+    assert len(ours) >= 15 and ours.keys() == theirs.keys()
+    # Where a decomposition's dead intermediates are numbered differently (Gemma2's gelu
+    # piece: mul_17 against mul_19), only the names of values inside the graph differ.
+    differ = [k for k in ours if ours[k] != theirs[k]]
+    assert [str(k) for k in differ if with_canonical_names(ours[k]) != with_canonical_names(theirs[k])] == []
+
+
+def with_canonical_names(model_bytes):
+    """The model with every node, and every value the graph computes, renamed by its
+    position, and without the nodes' debug metadata (which quotes the FX nodes): two
+    graphs equal but for those names serialise to the same bytes."""
+    import onnx
+
+    model = onnx.load_from_string(model_bytes)
+    graph = model.graph
+    names = {}
+    for i, node in enumerate(graph.node):
+        node.name = f"n{i}"
+        del node.metadata_props[:]
+        for j, out in enumerate(node.output):
+            if out and out not in {o.name for o in graph.output}:
+                names[out] = f"v{i}_{j}"
+    for node in graph.node:
+        node.input[:] = [names.get(x, x) for x in node.input]
+        node.output[:] = [names.get(x, x) for x in node.output]
+    for info in graph.value_info:
+        info.name = names.get(info.name, info.name)
+    return model.SerializeToString()
