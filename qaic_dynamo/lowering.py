@@ -633,7 +633,8 @@ def onnx_registry(opset: int) -> Any:
     """
     reg = torch_onnx_internals().registration
     # Importing the ops registers them in onnxscript's default registry.
-    from onnxscript.function_libs.torch_lib import ops, registration  # noqa: F401
+    with deferred_script_conversion():
+        from onnxscript.function_libs.torch_lib import ops, registration  # noqa: F401
 
     registry = reg.ONNXRegistry()
     registry._opset_version = opset
@@ -654,6 +655,80 @@ def onnx_registry(opset: int) -> Any:
     for target, fn in _translations().items():
         registry.register_op(target, fn, is_complex=False)
     return registry
+
+
+@contextlib.contextmanager
+def deferred_script_conversion() -> Iterator[None]:
+    """While active, ``onnxscript.script(...)(func)`` returns a
+    :func:`deferred_script_function_class` instance: an ``OnnxFunction`` that converts
+    ``func``'s Python source to ONNX on first use instead of at once.
+
+    onnxscript's torch library defines ~50 of its functions in script mode, so importing
+    it parses and converts all of them - ~0.3 s of every cold process that lowers, for
+    the two or three a transformer's pieces use."""
+    import onnxscript
+
+    eager, deferred = onnxscript.script, deferred_script_function_class()
+
+    def script(opset: Any = None, default_opset: Any = None, **kwargs: Any) -> Callable[[Callable], Any]:
+        return lambda func: deferred(func, functools.partial(eager(opset, default_opset, **kwargs), func), kwargs)
+
+    onnxscript.script = script
+    try:
+        yield
+    finally:
+        onnxscript.script = eager
+
+
+@functools.cache
+def deferred_script_function_class() -> type:
+    """``DeferredScriptFunction(func, convert, kwargs)``: an ``onnxscript.OnnxFunction``
+    whose Python function is known at once and whose everything else (``name``,
+    ``function_ir``, ``op_signature``, ``to_function_proto()``, calling it...) is answered
+    from ``convert()`` - the function as ``onnxscript.script`` converts it - run on first
+    use. ``test_deferred_script_functions_equal_onnxscripts_own`` checks the answers."""
+    import onnxscript
+
+    class DeferredScriptFunction(onnxscript.OnnxFunction):
+        # Deliberately not OnnxFunction.__init__: it is what converts.
+        def __init__(self, func: Callable, convert: Callable[[], Any], kwargs: dict[str, Any]) -> None:
+            self.function = func
+            self.kwargs = kwargs
+            self.traceable = False
+            self._convert = convert
+            self._lock = threading.Lock()
+            functools.update_wrapper(self, func)
+
+        @property
+        def converted(self) -> Any:
+            """The function as ``onnxscript.script`` converts it (converting it once)."""
+            with self._lock:
+                if "_converted" not in self.__dict__:
+                    self.__dict__["_converted"] = self._convert()
+            return self.__dict__["_converted"]
+
+        def __getattr__(self, name: str) -> Any:  # what the converted function has and we lack
+            if name.startswith("__") or name in ("function", "kwargs", "_convert", "_lock"):
+                raise AttributeError(name)
+            return getattr(self.converted, name)
+
+        # Properties of OnnxFunction and its base over fields only their __init__ sets.
+        name = property(lambda self: self.converted.name)
+        opset = property(lambda self: self.converted.opset)
+        domain = property(lambda self: self.converted.domain)
+        op_schema = property(lambda self: self.converted.op_schema)
+        function_ir = property(lambda self: self.converted.function_ir)
+        source = property(lambda self: self.converted.source)
+
+        @property
+        def op_signature(self) -> Any:
+            return self.converted.op_signature
+
+        @op_signature.setter
+        def op_signature(self, value: Any) -> None:
+            self.converted.op_signature = value
+
+    return DeferredScriptFunction
 
 
 _signature_lock = threading.Lock()

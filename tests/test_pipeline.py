@@ -516,6 +516,32 @@ def test_registry_matches_from_torchlib():
     assert qaic == {str(op.overload.name()) for op in QAIC_OPS.values() if op.onnx_function}
 
 
+def test_deferred_script_functions_equal_onnxscripts_own():
+    # onnx_registry imports onnxscript's torch library with its script-mode functions'
+    # conversion deferred to first use. Each must answer everything the exporter reads as
+    # the function onnxscript.script converts from the same source does, and stay an
+    # OnnxFunction (dispatch tells script from traced functions by isinstance).
+    import inspect
+
+    import onnxscript
+    from onnxscript.function_libs.torch_lib import registration
+
+    from qaic_dynamo.lowering import deferred_script_function_class, onnx_registry
+
+    onnx_registry(18)
+    deferred = deferred_script_function_class()
+    functions = {id(f): f for overloads in registration.default_registry.values()
+                 for f in overloads.overloads + overloads.complex if isinstance(f, deferred)}
+    assert len(functions) >= 40  # 43 in onnxscript 0.7.2
+    for f in functions.values():
+        assert isinstance(f, onnxscript.OnnxFunction)
+        own = onnxscript.script(onnxscript.values.Opset(f.opset.domain, f.opset.version))(f.function)
+        assert (f.name, f.domain, f.opset.version, f.source) == (own.name, own.domain, own.opset.version, own.source)
+        assert f.to_function_proto() == own.to_function_proto(), f.name
+        assert f.op_signature == own.op_signature, f.name
+        assert inspect.signature(f) == inspect.signature(own), f.name
+
+
 def test_decompositions_are_the_exporters_without_its_composite_implicit_entries():
     # The direct path's table is torch.onnx's create_onnx_friendly_decomposition_table
     # minus the entries that only run an op's CompositeImplicitAutograd kernel (make_fx
