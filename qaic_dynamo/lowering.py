@@ -659,25 +659,32 @@ def onnx_registry(opset: int) -> Any:
 
 @contextlib.contextmanager
 def deferred_script_conversion() -> Iterator[None]:
-    """While active, ``onnxscript.script(...)(func)`` returns a
-    :func:`deferred_script_function_class` instance: an ``OnnxFunction`` that converts
-    ``func``'s Python source to ONNX on first use instead of at once.
+    """While active, onnxscript's function wrappers do their work on a function's first
+    use instead of when the function is defined:
 
-    onnxscript's torch library defines ~50 of its functions in script mode, so importing
-    it parses and converts all of them - ~0.3 s of every cold process that lowers, for
-    the two or three a transformer's pieces use."""
+    * ``onnxscript.script(...)(func)`` returns a :func:`deferred_script_function_class`
+      instance, an ``OnnxFunction`` that converts ``func``'s Python source to ONNX when
+      first used;
+    * ``onnxscript.values.TracedOnnxFunction(opset, func)`` is a
+      :func:`deferred_signature_traced_function_class` instance, which infers its ONNX
+      signature (from ``func``'s annotations) when first asked for it.
+
+    Importing onnxscript's torch library wraps ~50 script-mode and ~440 trace-only
+    functions, converting or inferring all of them - ~0.4 s of every cold process that
+    lowers, for the dozen functions a transformer's pieces use."""
     import onnxscript
 
-    eager, deferred = onnxscript.script, deferred_script_function_class()
+    script, traced = onnxscript.script, onnxscript.values.TracedOnnxFunction
+    deferred = deferred_script_function_class()
 
-    def script(opset: Any = None, default_opset: Any = None, **kwargs: Any) -> Callable[[Callable], Any]:
-        return lambda func: deferred(func, functools.partial(eager(opset, default_opset, **kwargs), func), kwargs)
+    def deferred_script(opset: Any = None, default_opset: Any = None, **kwargs: Any) -> Callable[[Callable], Any]:
+        return lambda func: deferred(func, functools.partial(script(opset, default_opset, **kwargs), func), kwargs)
 
-    onnxscript.script = script
+    onnxscript.script, onnxscript.values.TracedOnnxFunction = deferred_script, deferred_signature_traced_function_class()
     try:
         yield
     finally:
-        onnxscript.script = eager
+        onnxscript.script, onnxscript.values.TracedOnnxFunction = script, traced
 
 
 @functools.cache
@@ -729,6 +736,36 @@ def deferred_script_function_class() -> type:
             self.converted.op_signature = value
 
     return DeferredScriptFunction
+
+
+@functools.cache
+def deferred_signature_traced_function_class() -> type:
+    """``onnxscript.values.TracedOnnxFunction`` whose ``op_signature`` is inferred on first
+    read (by constructing the real one) rather than in ``__init__``.
+    ``test_deferred_script_functions_equal_onnxscripts_own`` checks the signatures."""
+    import onnxscript
+
+    traced = onnxscript.values.TracedOnnxFunction
+
+    class DeferredSignatureTracedFunction(traced):
+        # TracedOnnxFunction.__init__ but for the inference: Op's own __init__ leaves
+        # the signature None.
+        def __init__(self, opset: Any, func: Callable) -> None:
+            onnxscript.values.Op.__init__(self, opset, func.__name__)
+            self.func = func
+            functools.update_wrapper(self, func)
+
+        @property
+        def op_signature(self) -> Any:
+            if self._signature is None:
+                self._signature = traced(self.opset, self.func).op_signature
+            return self._signature
+
+        @op_signature.setter
+        def op_signature(self, value: Any) -> None:
+            self._signature = value
+
+    return DeferredSignatureTracedFunction
 
 
 _signature_lock = threading.Lock()
