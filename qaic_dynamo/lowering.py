@@ -652,7 +652,9 @@ def onnx_registry(opset: int) -> Any:
             _UNINFERRED.add(id(meta))  # the registry keeps it alive, so its id stays its own
             registry._register(target, meta)
     registry._cleanup_registry_based_on_opset_version()
-    for target, fn in _translations().items():
+    with _memoized_op_signatures():  # converting our functions builds a signature per op call
+        translations = _translations()
+    for target, fn in translations.items():
         registry.register_op(target, fn, is_complex=False)
     return registry
 
@@ -711,7 +713,8 @@ def deferred_script_function_class() -> type:
             """The function as ``onnxscript.script`` converts it (converting it once)."""
             with self._lock:
                 if "_converted" not in self.__dict__:
-                    self.__dict__["_converted"] = self._convert()
+                    with _memoized_op_signatures():
+                        self.__dict__["_converted"] = self._convert()
             return self.__dict__["_converted"]
 
         def __getattr__(self, name: str) -> Any:  # what the converted function has and we lack

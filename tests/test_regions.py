@@ -79,6 +79,25 @@ def test_a_second_model_of_the_same_class_with_another_float_is_compiled_too(reg
         assert got == engine(model, backend="eager").generate(PROMPTS, 3)
 
 
+@pytest.mark.parametrize("regional", [True, False], ids=["regional", "whole"])
+def test_dynamo_traces_regions_without_its_fake_tensor_cache_and_whole_models_with_it(regional, monkeypatch):
+    """A region's graph holds each op about once: Dynamo traces it with its fake-tensor
+    cache off (regions.region_config). A whole model's layers repeat: cache on."""
+    from qaic_dynamo import lowering
+
+    seen, prepare = [], lowering.prepare
+
+    def recording(gm, example_args, fake_mode):  # fake_mode: the one Dynamo traced in
+        seen.append(fake_mode.cache_enabled)
+        return prepare(gm, example_args, fake_mode)
+
+    monkeypatch.setattr(lowering, "prepare", recording)
+    model = llama(2)
+    got = engine(model, regional=regional, compile_options={"cache": False}).generate(PROMPTS, 3)
+    assert seen and set(seen) == {not regional}
+    assert got == engine(model, backend="eager").generate(PROMPTS, 3)
+
+
 def test_per_layer_names_in_a_block_are_refused_by_dynamo_not_silently_wrong():
     """With real layer names (the baseline) a traced block reads a per-layer constant:
     Dynamo re-traces it per layer. It stays correct; the point of the magic name is that
