@@ -41,6 +41,35 @@ def test_backend_stages_benchmark_smoke(tmp_path):
     assert "fingerprint + reuse =" in out and "decode 8x / 1x capacity" in out
 
 
+def test_cold_start_report_re_renders_a_saved_run_without_measuring(tmp_path):
+    def sample(method, layers, first, backend, run):
+        s = {"method": method, "layers": layers, "first_call_s": first, "backend_s": backend, "run_s": run,
+             "dynamo_s": first - backend - run}
+        if method == "regional":
+            s.update(graphs=5, unique_pieces=6, onnx_exports=6, disk_hits=0, exporter_fallbacks=0,
+                     piece_lowering_s=[0.1, 0.3], median_piece_lowering_s=0.2)
+        return s
+
+    saved = {"repeats": 3, "expensive_repeats": 1, "samples": {
+        "regional": {"2": [sample("regional", 2, 2.5, 1.2, 0.02)], "32": [sample("regional", 32, 2.7, 1.3, 0.25)]},
+        "floor": {"2": [sample("floor", 2, 2.6, 0.0, 0.03)], "32": [sample("floor", 32, 13.5, 0.0, 0.3)]}}}
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(saved))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cold_start.py"), "--repeats", "0", "--merge", str(run),
+         "--layers", "2", "32", "--methods", "regional", "floor", "--results-dir", str(tmp_path), "--tag", "again"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    again = json.loads((tmp_path / "cold_start_again.json").read_text())
+    assert again["samples"] == saved["samples"]  # nothing was measured
+    assert (again["repeats"], again["expensive_repeats"]) == (3, 1)  # the run's own, not 0
+    assert again["ratios"]["vs_floor"] == pytest.approx(2.7 / 13.5)  # regional(32) / floor(32)
+    assert again["ratios"]["flat_32"] == pytest.approx(2.7 / 2.5)
+    md = (tmp_path / "cold_start_again.md").read_text()
+    assert "| regional | 32 | 1.15 | 1.3 | 0.25 | 0.2 |" in md  # Dynamo = 2.7 - 1.3 - 0.25
+
+
 @pytest.mark.slow  # ~80 s of fresh processes on 2 cores (CI's 20-minute budget); `make test-all` runs it
 def test_cold_start_benchmark_smoke(tmp_path):
     out = run_benchmark("cold_start.py", tmp_path, "--smoke", "--methods", "regional", "qaic", "floor")
