@@ -52,6 +52,7 @@ import functools
 import itertools
 import logging
 import operator
+import sys
 import threading
 import time
 import warnings
@@ -616,9 +617,21 @@ def torch_onnx_internals() -> TorchOnnxInternals | None:
     return TorchOnnxInternals(**mods)
 
 
-@functools.cache
+_registry_lock = threading.Lock()
+_registries: dict[int, Any] = {}
+
+
 def onnx_registry(opset: int) -> Any:
-    """torch.onnx's op registry with our translations, built once per opset.
+    """:func:`build_onnx_registry`, once per opset and process (under a lock: two threads
+    lowering in a cold process build it once)."""
+    with _registry_lock:
+        if opset not in _registries:
+            _registries[opset] = build_onnx_registry(opset)
+        return _registries[opset]
+
+
+def build_onnx_registry(opset: int) -> Any:
+    """A new torch.onnx op registry with our translations (use :func:`onnx_registry`).
 
     The same registry as ``ONNXRegistry.from_torchlib``, built without its one slow step:
     that lists onnxscript's torch library through ``get_torchlib_ops()``, which parses the
@@ -649,7 +662,7 @@ def onnx_registry(opset: int) -> Any:
         for fn, is_complex in [(f, False) for f in funcs.overloads] + [(f, True) for f in funcs.complex]:
             meta = reg.OnnxDecompMeta(onnx_function=fn, fx_target=target, signature=None, is_custom=False,
                                       is_complex=is_complex, skip_signature_inference=True)
-            _UNINFERRED.add(id(meta))  # the registry keeps it alive, so its id stays its own
+            _UNINFERRED[id(meta)] = meta  # held here, so the id stays its own
             registry._register(target, meta)
     registry._cleanup_registry_based_on_opset_version()
     with _memoized_op_signatures():  # converting our functions builds a signature per op call
@@ -659,10 +672,22 @@ def onnx_registry(opset: int) -> Any:
     return registry
 
 
+#: Prefix of the modules whose onnxscript functions are deferred: onnxscript's torch library.
+TORCH_LIB_PREFIX = "onnxscript.function_libs.torch_lib."
+_deferral_lock = threading.Lock()
+_deferral: dict[str, Any] = {"depth": 0, "saved": None}
+
+
+def is_torch_lib_function(func: Callable) -> bool:
+    return getattr(func, "__module__", "").startswith(TORCH_LIB_PREFIX)
+
+
 @contextlib.contextmanager
 def deferred_script_conversion() -> Iterator[None]:
     """While active, onnxscript's function wrappers do their work on a function's first
-    use instead of when the function is defined:
+    use instead of when the function is defined - for functions of onnxscript's torch
+    library only (anything else, e.g. a user's module imported by another thread meanwhile,
+    is wrapped by onnxscript's own code as usual):
 
     * ``onnxscript.script(...)(func)`` returns a :func:`deferred_script_function_class`
       instance, an ``OnnxFunction`` that converts ``func``'s Python source to ONNX when
@@ -673,20 +698,43 @@ def deferred_script_conversion() -> Iterator[None]:
 
     Importing onnxscript's torch library wraps ~50 script-mode and ~440 trace-only
     functions, converting or inferring all of them - ~0.4 s of every cold process that
-    lowers, for the dozen functions a transformer's pieces use."""
+    lowers, for the dozen functions a transformer's pieces use.
+
+    Entries are counted: the first saves onnxscript's wrappers and installs ours, the last
+    exit restores them, whatever the order threads leave in. Once the library is imported
+    there is nothing left to defer, and the context does nothing."""
     import onnxscript
 
-    script, traced = onnxscript.script, onnxscript.values.TracedOnnxFunction
-    deferred = deferred_script_function_class()
+    if TORCH_LIB_PREFIX + "ops" in sys.modules:
+        yield
+        return
+    with _deferral_lock:
+        if _deferral["depth"] == 0:
+            script, traced = onnxscript.script, onnxscript.values.TracedOnnxFunction
+            _deferral["saved"] = (script, traced)
+            deferred = deferred_script_function_class()
 
-    def deferred_script(opset: Any = None, default_opset: Any = None, **kwargs: Any) -> Callable[[Callable], Any]:
-        return lambda func: deferred(func, functools.partial(script(opset, default_opset, **kwargs), func), kwargs)
+            def deferred_script(opset: Any = None, default_opset: Any = None, **kwargs: Any) -> Callable[[Callable], Any]:
+                real = script(opset, default_opset, **kwargs)  # validates the arguments, as before
 
-    onnxscript.script, onnxscript.values.TracedOnnxFunction = deferred_script, deferred_signature_traced_function_class()
+                def decorate(func: Callable) -> Any:
+                    if not is_torch_lib_function(func):
+                        return real(func)
+                    return deferred(func, functools.partial(real, func), kwargs)
+
+                return decorate
+
+            onnxscript.script = deferred_script
+            onnxscript.values.TracedOnnxFunction = deferred_signature_traced_function_class()
+        _deferral["depth"] += 1
     try:
         yield
     finally:
-        onnxscript.script, onnxscript.values.TracedOnnxFunction = script, traced
+        with _deferral_lock:
+            _deferral["depth"] -= 1
+            if _deferral["depth"] == 0:
+                onnxscript.script, onnxscript.values.TracedOnnxFunction = _deferral["saved"]
+                _deferral["saved"] = None
 
 
 @functools.cache
@@ -705,7 +753,7 @@ def deferred_script_function_class() -> type:
             self.kwargs = kwargs
             self.traceable = False
             self._convert = convert
-            self._lock = threading.Lock()
+            self._lock = threading.RLock()
             functools.update_wrapper(self, func)
 
         @property
@@ -751,6 +799,11 @@ def deferred_signature_traced_function_class() -> type:
     traced = onnxscript.values.TracedOnnxFunction
 
     class DeferredSignatureTracedFunction(traced):
+        def __new__(cls, opset: Any, func: Callable) -> Any:
+            if not is_torch_lib_function(func):  # not ours to defer: onnxscript's own
+                return traced(opset, func)
+            return super().__new__(cls)
+
         # TracedOnnxFunction.__init__ but for the inference: Op's own __init__ leaves
         # the signature None.
         def __init__(self, opset: Any, func: Callable) -> None:
@@ -772,9 +825,10 @@ def deferred_signature_traced_function_class() -> type:
 
 
 _signature_lock = threading.Lock()
-#: ids of the registry's metas whose signature :func:`infer_op_signatures` has yet to infer
-#: (torch's own torchlib metas may skip inference on purpose; those are never touched).
-_UNINFERRED: set[int] = set()
+#: The registry's metas whose signature :func:`infer_op_signatures` has yet to infer, by
+#: id (torch's own torchlib metas may skip inference on purpose; those are never touched).
+#: Held here, so that no later object can take a freed meta's id.
+_UNINFERRED: dict[int, Any] = {}
 
 
 def infer_op_signatures(registry: Any, graphs: Iterable[fx.Graph] | None) -> None:
@@ -790,10 +844,10 @@ def infer_op_signatures(registry: Any, graphs: Iterable[fx.Graph] | None) -> Non
         metas = [m for t in targets for m in registry.get_decomps(t)]
     with _signature_lock:
         for meta in metas:
-            if id(meta) in _UNINFERRED:
+            if _UNINFERRED.get(id(meta)) is meta:
                 meta.skip_signature_inference = False
                 meta.__post_init__()  # the inference OnnxDecompMeta would have run
-                _UNINFERRED.discard(id(meta))
+                del _UNINFERRED[id(meta)]
 
 
 @functools.cache

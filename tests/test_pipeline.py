@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -538,10 +539,13 @@ def test_deferred_script_functions_equal_onnxscripts_own():
 
     if not any(isinstance(f, deferred_script_function_class()) for f in vars(common).values()):
         # Imported the eager way before the registry (e.g. by a torch.onnx.export in an
-        # earlier test): check in a fresh process, where the registry imports it.
+        # earlier test): check in a fresh process, where the registry imports it - and
+        # where this must not happen again.
+        assert not os.environ.get("QAIC_TEST_DEFERRAL_CHILD"), "the fresh process imported the library eagerly"
         test = f"{__file__}::test_deferred_script_functions_equal_onnxscripts_own"
         child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
-                               capture_output=True, text=True, timeout=300)
+                               capture_output=True, text=True, timeout=300,
+                               env={**os.environ, "QAIC_TEST_DEFERRAL_CHILD": "1"})
         assert child.returncode == 0 and "1 passed" in child.stdout, child.stdout[-3000:]
         return
     # The wrappers are onnxscript's own again once the library is imported.
@@ -567,6 +571,71 @@ def test_deferred_script_functions_equal_onnxscripts_own():
         assert (f.name, f.domain, f.opset.version) == (own.name, own.domain, own.opset.version)
         assert f.op_signature == own.op_signature, f.name
         assert inspect.signature(f) == inspect.signature(own), f.name
+
+
+DEFERRAL_CHECK = """
+import sys
+import onnxscript
+from onnxscript import opset18 as op
+from qaic_dynamo.lowering import (deferred_script_conversion, deferred_script_function_class,
+                                  deferred_signature_traced_function_class)
+
+assert "onnxscript.function_libs.torch_lib.ops" not in sys.modules
+script, traced = onnxscript.script, onnxscript.values.TracedOnnxFunction
+
+
+def relu(x):
+    return op.Relu(x)
+
+
+first, second = deferred_script_conversion(), deferred_script_conversion()
+first.__enter__()
+second.__enter__()  # e.g. another thread building the registry meanwhile
+# A function outside the torch library is onnxscript's own business, converted at once.
+assert type(onnxscript.script()(relu)) is onnxscript.OnnxFunction
+assert type(onnxscript.values.TracedOnnxFunction(op, relu)) is traced
+relu.__module__ = "onnxscript.function_libs.torch_lib.ops.example"
+assert isinstance(onnxscript.script()(relu), deferred_script_function_class())
+assert isinstance(onnxscript.values.TracedOnnxFunction(op, relu), deferred_signature_traced_function_class())
+first.__exit__(None, None, None)  # the first to enter leaves first: the second is still active
+assert onnxscript.script is not script
+second.__exit__(None, None, None)
+assert (onnxscript.script, onnxscript.values.TracedOnnxFunction) == (script, traced)
+try:
+    with deferred_script_conversion():
+        raise KeyError("an import failed")
+except KeyError:
+    pass
+assert (onnxscript.script, onnxscript.values.TracedOnnxFunction) == (script, traced)
+
+# Two threads lowering in a cold process: one registry, the library deferred, the
+# wrappers onnxscript's own afterwards.
+import threading
+from qaic_dynamo.lowering import onnx_registry
+
+got = []
+threads = [threading.Thread(target=lambda: got.append(onnx_registry(18))) for _ in range(2)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+assert len(got) == 2 and got[0] is got[1]
+from onnxscript.function_libs.torch_lib.ops import common  # imported by the registry, deferred
+
+assert any(isinstance(f, deferred_script_function_class()) for f in vars(common).values())
+assert (onnxscript.script, onnxscript.values.TracedOnnxFunction) == (script, traced)
+print("ok")
+"""
+
+
+def test_deferred_conversion_is_counted_and_only_for_the_torch_library(tmp_path):
+    # In a fresh process: once onnxscript's torch library is imported the context has
+    # nothing to defer and does nothing. onnxscript reads a scripted function's source
+    # file, so the check is a file, not `python -c`.
+    check = tmp_path / "deferral_check.py"
+    check.write_text(DEFERRAL_CHECK)
+    child = subprocess.run([sys.executable, str(check)], capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0 and child.stdout.strip().endswith("ok"), child.stdout[-2000:] + child.stderr[-3000:]
 
 
 def test_decompositions_are_the_exporters_without_its_composite_implicit_entries():
@@ -596,9 +665,9 @@ def test_op_signatures_are_inferred_for_the_ops_a_graph_uses_and_equal_the_eager
     import torch.fx as fx
     from torch.onnx._internal.exporter._registration import OnnxDecompMeta
 
-    from qaic_dynamo.lowering import infer_op_signatures, onnx_registry
+    from qaic_dynamo.lowering import build_onnx_registry, infer_op_signatures
 
-    registry = onnx_registry.__wrapped__(18)  # a fresh one: another test may have inferred all of the cached one's
+    registry = build_onnx_registry(18)  # a fresh one: another test may have inferred all of the cached one's
     graph = fx.Graph()
     x = graph.placeholder("x")
     graph.output(graph.call_function(torch.ops.aten.gelu.default, (graph.call_function(torch.ops.aten.mul.Tensor, (x, x)),)))

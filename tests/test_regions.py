@@ -93,8 +93,11 @@ def test_dynamo_traces_regions_without_its_fake_tensor_cache_and_whole_models_wi
 
     monkeypatch.setattr(lowering, "prepare", recording)
     model = llama(2)
+    before = (torch._dynamo.config.fake_tensor_cache_enabled, torch._dynamo.config.specialize_float)
     got = engine(model, regional=regional, compile_options={"cache": False}).generate(PROMPTS, 3)
     assert seen and set(seen) == {not regional}
+    # The compile's config was a patch: the caller's is untouched afterwards.
+    assert (torch._dynamo.config.fake_tensor_cache_enabled, torch._dynamo.config.specialize_float) == before
     assert got == engine(model, backend="eager").generate(PROMPTS, 3)
 
 
