@@ -21,6 +21,7 @@ def run_benchmark(script: str, tmp_path: Path, *args: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow  # ~9 s on 2 cores; the fresh-clone CI took 17m17s of its 20 minutes on 2026-11-25 evening
 def test_kv_cache_update_benchmark_smoke(tmp_path):
     out = run_benchmark("kv_cache_update.py", tmp_path)
     result = json.loads((tmp_path / "kv_cache_update_quick.json").read_text())
@@ -32,6 +33,7 @@ def test_kv_cache_update_benchmark_smoke(tmp_path):
     assert (tmp_path / "kv_cache_update_quick.md").read_text().startswith("### reshape_and_cache")
 
 
+@pytest.mark.slow  # ~12 s on 2 cores; the fresh-clone CI took 17m17s of its 20 minutes on 2026-11-25 evening
 def test_backend_stages_benchmark_smoke(tmp_path):
     out = run_benchmark("backend_stages.py", tmp_path)
     result = json.loads((tmp_path / "backend_stages_quick.json").read_text())
