@@ -301,7 +301,7 @@ class GuardedDispatch:
     or None for anything it does not handle the same way, so the caller goes through
     Dynamo instead:
 
-    * a stance other than the default, Dynamo disabled, or a trace in progress
+    * a stance other than the default (``torch.compiler.set_stance``), or a trace in progress
       (``torch.compiler.is_compiling``, ``torch.jit.is_tracing``);
     * hooks on the region's module or global module hooks (``nn.Module.__call__`` runs them);
     * for a block, a ``forward`` replaced on the instance or the class since compiling;
@@ -327,7 +327,7 @@ class GuardedDispatch:
         self._internals = internals
         self._defaults: tuple = ()
         self._bind: Callable[[tuple, dict[str, Any]], dict[str, Any] | None] | None = None
-        self._functions: dict[types.CodeType, Callable | None] = {}
+        self._functions: dict[int, tuple[types.CodeType, Callable | None]] = {}
 
     @classmethod
     def for_block(cls, block: nn.Module, compiled: Any, internals: DynamoInternals) -> GuardedDispatch:
@@ -343,8 +343,11 @@ class GuardedDispatch:
         for a block, so it takes ``*args, **kwargs``), or None."""
         internals, module, func = self._internals, self.module, self.func
         stance = internals.eval_frame._stance
+        # Not ``torch._dynamo.config.disable``: Dynamo reads it only when it compiles a frame
+        # (a cache miss); a cached entry whose guards pass runs whatever it says, and a miss
+        # comes back here as None and goes through Dynamo, which then runs eagerly.
         if (stance.stance != "default" or stance.backend is not None or stance.skip_guard_eval_unsafe
-                or torch._dynamo.config.disable or torch.compiler.is_compiling() or torch.jit.is_tracing()):
+                or torch.compiler.is_compiling() or torch.jit.is_tracing()):
             return None
         if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or module._backward_pre_hooks or any(internals.global_hooks)):
@@ -380,15 +383,19 @@ class GuardedDispatch:
         return f_locals
 
     def _function(self, code: types.CodeType) -> Callable | None:
-        if code not in self._functions:
-            func, fn = self.func, None
-            if code.co_freevars == self.code.co_freevars and not any(n.startswith("__resume_at_") for n in code.co_names):
-                fn = types.FunctionType(code, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
-                fn.__kwdefaults__ = func.__kwdefaults__
-                if self.method:
-                    fn = types.MethodType(fn, self.module)
-            self._functions[code] = fn
-        return self._functions[code]
+        # Keyed by id: hashing a code object hashes its bytecode and constants on every
+        # call. The entry holds the code, so its id is not reused while the entry is here.
+        known = self._functions.get(id(code))
+        if known is not None and known[0] is code:
+            return known[1]
+        func, fn = self.func, None
+        if code.co_freevars == self.code.co_freevars and not any(n.startswith("__resume_at_") for n in code.co_names):
+            fn = types.FunctionType(code, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
+            fn.__kwdefaults__ = func.__kwdefaults__
+            if self.method:
+                fn = types.MethodType(fn, self.module)
+        self._functions[id(code)] = (code, fn)
+        return fn
 
 
 def _binder(func: types.FunctionType) -> Callable[[tuple, dict[str, Any]], dict[str, Any] | None]:
