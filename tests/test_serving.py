@@ -57,7 +57,9 @@ def eager_tokens(model, prompts, max_tokens, stop=()):
 
 
 def shm_segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob(f"{SHM_PREFIX}*")}
+    """The shared-memory segments this process created (a server names its segments after
+    its pid; other test workers running at the same time have segments of their own)."""
+    return {p.name for p in Path("/dev/shm").glob(f"{SHM_PREFIX}{os.getpid()}_*")}
 
 
 # --- the slicing spec ------------------------------------------------------------------------
