@@ -77,11 +77,11 @@ def colocated(model, prompts, max_tokens, slots: int, ctx: int, backend: str) ->
             "decode_tokens_per_s": decode_tokens / wall, "kv_bytes_per_handoff": 0.0, "wall_s": wall}
 
 
-def disaggregated(model, prompts, max_tokens, slots: int, ctx: int, backend: str, transport: str, port: int) -> dict:
+def disaggregated(model, prompts, max_tokens, slots: int, ctx: int, backend: str, transport: str) -> dict:
     from qaic_dynamo.serving import DisaggregatedServer, summarize
 
     with DisaggregatedServer(model, decode_slots=slots, ctx_len=ctx, chunk_size=64, transport=transport,
-                             backend=backend, gloo_init_method=f"tcp://127.0.0.1:{port}") as server:
+                             backend=backend) as server:
         server.generate([prompts[0][:4]], 2)  # warm-up: both workers compile
         for r in server.generate(prompts, max_tokens):
             if r.error:
@@ -110,12 +110,12 @@ def main() -> None:
     prompts, max_tokens = workload(args.requests, args.vocab)
     runs: dict[str, list[dict]] = {m: [] for m in args.methods}
     for rep in range(args.repeats):
-        for k, m in enumerate(args.methods):
+        for m in args.methods:
             if m == "colocated":
                 r = colocated(model, prompts, max_tokens, args.slots, ctx, args.backend)
             else:
                 transport = {"slicing": "shm", "copying": "copy", "gloo": "gloo"}[m]
-                r = disaggregated(model, prompts, max_tokens, args.slots, ctx, args.backend, transport, 29700 + 10 * rep + k)
+                r = disaggregated(model, prompts, max_tokens, args.slots, ctx, args.backend, transport)
             runs[m].append(r)
             print(f"  [{rep + 1}] {m:>9}: TTFT median {r['ttft_median_s'] * 1e3:7.1f} ms, p90 {r['ttft_p90_s'] * 1e3:7.1f} ms, "
                   f"decode {r['decode_tokens_per_s']:7.1f} tok/s, KV moved per hand-off {r['kv_bytes_per_handoff']:,.0f} B",

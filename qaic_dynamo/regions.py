@@ -301,7 +301,7 @@ class GuardedDispatch:
     or None for anything it does not handle the same way, so the caller goes through
     Dynamo instead:
 
-    * a stance other than the default (``torch.compiler.set_stance``), or a trace in progress
+    * a stance other than the default, Dynamo disabled, or a trace in progress
       (``torch.compiler.is_compiling``, ``torch.jit.is_tracing``);
     * hooks on the region's module or global module hooks (``nn.Module.__call__`` runs them);
     * for a block, a ``forward`` replaced on the instance or the class since compiling;
@@ -309,6 +309,11 @@ class GuardedDispatch:
       or falls back, as it would have);
     * an entry whose code resumes after a graph break: its resume functions are compiled
       only when Dynamo's callback is set.
+
+    One known difference: after a cache miss while Dynamo was disabled, Dynamo skips the
+    code object for good (until ``torch._dynamo.reset()``) and runs it eagerly even once
+    re-enabled; this lookup cannot see that mark and runs an entry whose guards pass -
+    the compiled code of those same guards, not a wrong reuse.
 
     The compiled frame is either a block's ``forward`` (:meth:`for_block`: the module is
     its ``self``) or a region's entry function (:meth:`for_function`: the embeddings, norm
@@ -343,11 +348,11 @@ class GuardedDispatch:
         for a block, so it takes ``*args, **kwargs``), or None."""
         internals, module, func = self._internals, self.module, self.func
         stance = internals.eval_frame._stance
-        # Not ``torch._dynamo.config.disable``: Dynamo reads it only when it compiles a frame
-        # (a cache miss); a cached entry whose guards pass runs whatever it says, and a miss
-        # comes back here as None and goes through Dynamo, which then runs eagerly.
+        # ``config.disable`` too, although Dynamo reads it only on a cache miss (a hit still
+        # runs): a miss while disabled marks the code object skipped, and Dynamo then runs
+        # every later call eagerly, hits included - which its cache entries do not show.
         if (stance.stance != "default" or stance.backend is not None or stance.skip_guard_eval_unsafe
-                or torch.compiler.is_compiling() or torch.jit.is_tracing()):
+                or torch._dynamo.config.disable or torch.compiler.is_compiling() or torch.jit.is_tracing()):
             return None
         if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or module._backward_pre_hooks or any(internals.global_hooks)):
@@ -384,7 +389,7 @@ class GuardedDispatch:
 
     def _function(self, code: types.CodeType) -> Callable | None:
         # Keyed by id: hashing a code object hashes its bytecode and constants on every
-        # call. The entry holds the code, so its id is not reused while the entry is here.
+        # call. The stored code keeps its id from being reused while it is stored.
         known = self._functions.get(id(code))
         if known is not None and known[0] is code:
             return known[1]

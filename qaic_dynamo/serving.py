@@ -47,6 +47,7 @@ import multiprocessing as mp
 import os
 import queue
 import secrets
+import socket
 import statistics
 import time
 import traceback
@@ -574,6 +575,14 @@ class RequestResult:
     finished: float | None = None
 
 
+def free_local_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it; it could be taken again
+    before it is bound, as with any such probe)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class DisaggregatedServer:
     """A prefill worker and a decode worker sharing KV through ``transport``.
 
@@ -581,13 +590,14 @@ class DisaggregatedServer:
     then are prefilled into it while decode keeps stepping the others. Use as a context
     manager (or call :meth:`stop`): that always ends the workers and unlinks the shared
     memory. ``chunk_delay`` (seconds after each prefill chunk) slows prefill down for
-    fault tests and demos.
+    fault tests and demos. ``gloo_init_method`` (transport ``"gloo"``) is where the two
+    workers meet, by default a free port on 127.0.0.1 (two servers never share one).
     """
 
     def __init__(self, model: Any, *, decode_slots: int = 4, ctx_len: int = 256, prefill_stages: int = 1,
                  chunk_size: int = 64, transport: str = "shm", backend: str = "qaic",
                  kv_cache_prefix: str | None = None, threads_per_worker: int = 1,
-                 gloo_init_method: str = "tcp://127.0.0.1:29517", startup_timeout: float = 600,
+                 gloo_init_method: str | None = None, startup_timeout: float = 600,
                  chunk_delay: float = 0.0) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"DisaggregatedServer: transport must be one of {list(TRANSPORTS)}, got {transport!r}")
@@ -598,6 +608,8 @@ class DisaggregatedServer:
         self.model = model
         self.transport = transport
         self.ctx_len = ctx_len
+        if transport == "gloo" and gloo_init_method is None:
+            gloo_init_method = f"tcp://127.0.0.1:{free_local_port()}"
         self.cfg = dict(slots=decode_slots, ctx_len=ctx_len, stages=prefill_stages, chunk_size=chunk_size,
                         transport=transport, backend=backend, kv_cache_prefix=kv_cache_prefix,
                         threads=threads_per_worker, init_method=gloo_init_method, chunk_delay=chunk_delay)

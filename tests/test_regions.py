@@ -332,17 +332,16 @@ def test_hooks_and_stances_go_through_dynamo():
             model(x)
 
 
-
-
-def test_dynamo_disabled_after_compiling_behaves_as_through_dynamo():
-    """``torch._dynamo.config.disable`` is read by Dynamo only when it compiles a frame: a
-    cached entry whose guards pass still runs, and a miss runs eagerly. Guarded dispatch
-    does the same (it runs the entry; a miss goes through Dynamo)."""
+def test_every_call_goes_through_dynamo_while_it_is_disabled():
+    """``torch._dynamo.config.disable`` set after compiling: Dynamo still runs a cached
+    entry whose guards pass, but a miss marks the code skipped and later hits run eagerly
+    too - which the cache entries do not show, so guarded dispatch leaves every call to
+    Dynamo while the flag is set (hit, miss, and hit after the miss)."""
     model, ref, x = compiled_stack()
     with torch.no_grad():
         model(x)
         with torch._dynamo.config.patch(disable=True):
-            with compilation_counter.expect(num_guarded_region_calls=1 + 2, num_dynamo_region_calls=0):
+            with compilation_counter.expect(num_guarded_region_calls=0, num_dynamo_region_calls=1 + 2):
                 torch.testing.assert_close(model(x), ref(x))
             wide = torch.randn(5, 8)
             with compilation_counter.expect(
@@ -351,6 +350,10 @@ def test_dynamo_disabled_after_compiling_behaves_as_through_dynamo():
                 num_graphs_seen=0,  # disabled: Dynamo compiles nothing, the regions run eagerly
             ):
                 torch.testing.assert_close(model(wide), ref(wide))
+            with compilation_counter.expect(num_guarded_region_calls=0, num_dynamo_region_calls=1 + 2):
+                torch.testing.assert_close(model(x), ref(x))
+
+
 @torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
 def test_a_hook_on_a_region_beside_the_blocks_goes_through_dynamo():
     """The module of a region beside the blocks is called inside the region's compiled
