@@ -575,7 +575,7 @@ class RequestResult:
     finished: float | None = None
 
 
-def free_local_port() -> int:
+def _free_local_port() -> int:
     """A TCP port on 127.0.0.1 that is free now (the OS picks it; it could be taken again
     before it is bound, as with any such probe)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -591,7 +591,7 @@ class DisaggregatedServer:
     manager (or call :meth:`stop`): that always ends the workers and unlinks the shared
     memory. ``chunk_delay`` (seconds after each prefill chunk) slows prefill down for
     fault tests and demos. ``gloo_init_method`` (transport ``"gloo"``) is where the two
-    workers meet, by default a free port on 127.0.0.1 (two servers never share one).
+    workers meet, by default a port on 127.0.0.1 that is free at start-up.
     """
 
     def __init__(self, model: Any, *, decode_slots: int = 4, ctx_len: int = 256, prefill_stages: int = 1,
@@ -609,7 +609,7 @@ class DisaggregatedServer:
         self.transport = transport
         self.ctx_len = ctx_len
         if transport == "gloo" and gloo_init_method is None:
-            gloo_init_method = f"tcp://127.0.0.1:{free_local_port()}"
+            gloo_init_method = f"tcp://127.0.0.1:{_free_local_port()}"
         self.cfg = dict(slots=decode_slots, ctx_len=ctx_len, stages=prefill_stages, chunk_size=chunk_size,
                         transport=transport, backend=backend, kv_cache_prefix=kv_cache_prefix,
                         threads=threads_per_worker, init_method=gloo_init_method, chunk_delay=chunk_delay)
