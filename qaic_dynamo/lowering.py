@@ -679,7 +679,8 @@ _deferral: dict[str, Any] = {"depth": 0, "saved": None}
 
 
 def is_torch_lib_function(func: Callable) -> bool:
-    return getattr(func, "__module__", "").startswith(TORCH_LIB_PREFIX)
+    # ``__module__`` may be None (a function made by exec without ``__name__``).
+    return (getattr(func, "__module__", None) or "").startswith(TORCH_LIB_PREFIX)
 
 
 @contextlib.contextmanager

@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,7 +57,7 @@ from qaic_dynamo.counter import compilation_counter
 from qaic_dynamo.forward_context import get_forward_context, has_forward_context
 
 __all__ = [
-    "CompiledRegion", "DynamoInternals", "GuardedDispatch", "RegionPlan", "compile", "dynamo_internals",
+    "CompiledRegion", "DYNAMO_SKIPPED", "DynamoInternals", "GuardedDispatch", "RegionPlan", "compile", "dynamo_internals",
     "find_repeated_blocks", "plan_regions", "region_config", "specialized_floats",
 ]
 
@@ -195,7 +197,10 @@ class CompiledRegion(nn.Module):
         compilation_counter.bump(num_dynamo_region_calls=1)
         mark_dynamic_dims(args, kwargs)
         with region_config():
-            return self._compiled(*args, **kwargs)
+            out = self._compiled(*args, **kwargs)
+        if self.dispatch is not None:
+            self.dispatch.after_dynamo()
+        return out
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -288,6 +293,11 @@ def dynamo_internals() -> DynamoInternals | None:
     return DynamoInternals(**found)
 
 
+#: Code objects Dynamo has marked skipped, as :meth:`GuardedDispatch.after_dynamo` infers:
+#: the mark is the code object's (Dynamo's frame state), shared by every region running it.
+DYNAMO_SKIPPED: weakref.WeakSet[types.CodeType] = weakref.WeakSet()
+
+
 class GuardedDispatch:
     """Runs a compiled region's code after Dynamo's own guards pass, without Dynamo's entry.
 
@@ -301,7 +311,7 @@ class GuardedDispatch:
     or None for anything it does not handle the same way, so the caller goes through
     Dynamo instead:
 
-    * a stance other than the default, Dynamo disabled, or a trace in progress
+    * a stance other than the default, or a trace in progress
       (``torch.compiler.is_compiling``, ``torch.jit.is_tracing``);
     * hooks on the region's module or global module hooks (``nn.Module.__call__`` runs them);
     * for a block, a ``forward`` replaced on the instance or the class since compiling;
@@ -310,10 +320,19 @@ class GuardedDispatch:
     * an entry whose code resumes after a graph break: its resume functions are compiled
       only when Dynamo's callback is set.
 
-    One known difference: after a cache miss while Dynamo was disabled, Dynamo skips the
-    code object for good (until ``torch._dynamo.reset()``) and runs it eagerly even once
-    re-enabled; this lookup cannot see that mark and runs an entry whose guards pass -
-    the compiled code of those same guards, not a wrong reuse.
+    A miss that Dynamo does not compile - Dynamo disabled, a ``TorchDispatchMode``
+    active, a recompile limit hit, a suppressed compile error - marks the code object
+    skipped: Dynamo runs it eagerly from then on, hits included, until
+    ``torch._dynamo.reset()``. That mark cannot be read, so :meth:`after_dynamo` infers it
+    (a miss sent to Dynamo that added no cache entry) and the region then leaves every call
+    to Dynamo until its entries are gone (a reset).
+
+    The code object, the defaults (``__defaults__``, and ``__kwdefaults__`` even when changed
+    in place) and the closure are read from the function at every call, as the frame would;
+    a replaced ``__code__`` sends the call to Dynamo. One difference stays: Dynamo moves an
+    entry that passes to the front of its list and this lookup does not, so where two
+    entries' guards both pass, the two may pick different ones - each compiled for these
+    inputs.
 
     The compiled frame is either a block's ``forward`` (:meth:`for_block`: the module is
     its ``self``) or a region's entry function (:meth:`for_function`: the embeddings, norm
@@ -333,6 +352,8 @@ class GuardedDispatch:
         self._defaults: tuple = ()
         self._bind: Callable[[tuple, dict[str, Any]], dict[str, Any] | None] | None = None
         self._functions: dict[int, tuple[types.CodeType, Callable | None]] = {}
+        self._kwdefaults: tuple = ()  # (name, value) pairs the binder was built with
+        self._thread = threading.local()  # .miss: cache entries at this thread's last miss
 
     @classmethod
     def for_block(cls, block: nn.Module, compiled: Any, internals: DynamoInternals) -> GuardedDispatch:
@@ -347,35 +368,58 @@ class GuardedDispatch:
         """The compiled code Dynamo would run for this call (the module already bound
         for a block, so it takes ``*args, **kwargs``), or None."""
         internals, module, func = self._internals, self.module, self.func
+        self._thread.miss = None
+        if self.code in DYNAMO_SKIPPED:
+            if internals.cache_entries(self.code, self.isolate_recompiles_id):
+                return None
+            DYNAMO_SKIPPED.discard(self.code)  # its entries are gone: reset() cleared the mark too
         stance = internals.eval_frame._stance
-        # ``config.disable`` too, although Dynamo reads it only on a cache miss (a hit still
-        # runs): a miss while disabled marks the code object skipped, and Dynamo then runs
-        # every later call eagerly, hits included - which its cache entries do not show.
+        # Not ``config.disable``: Dynamo reads it only on a miss (a hit still runs its entry),
+        # and a miss while disabled is one that after_dynamo sees.
         if (stance.stance != "default" or stance.backend is not None or stance.skip_guard_eval_unsafe
-                or torch._dynamo.config.disable or torch.compiler.is_compiling() or torch.jit.is_tracing()):
+                or torch.compiler.is_compiling() or torch.jit.is_tracing()):
             return None
         if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or module._backward_pre_hooks or any(internals.global_hooks)):
             return None
         if self.method and (type(module).forward is not func or "forward" in module.__dict__):
             return None
+        if func.__code__ is not self.code:  # Dynamo compiles the new code; its entries are not these
+            return None
         f_locals = self._frame_locals(args, kwargs)
         if f_locals is None:
             return None
-        for entry in internals.cache_entries(self.code, self.isolate_recompiles_id):
+        entries = internals.cache_entries(self.code, self.isolate_recompiles_id)
+        for entry in entries:
             if entry.backend is not self.backend and entry.backend != self.backend:
                 continue
             if entry.guard_manager.check(f_locals):
                 return self._function(entry.code)
+        self._thread.miss = len(entries)
         return None
+
+    def after_dynamo(self) -> None:
+        """Called after a call that :meth:`lookup` sent to Dynamo. If it went there on a
+        miss and Dynamo added no cache entry, Dynamo did not compile the frame and has
+        marked the code object skipped (every later call eager, hits included): from now
+        on every call of that code - every block of the class - goes to Dynamo, until the
+        entries are cleared."""
+        missed, self._thread.miss = getattr(self._thread, "miss", None), None
+        if missed is not None and len(self._internals.cache_entries(self.code, self.isolate_recompiles_id)) <= missed:
+            DYNAMO_SKIPPED.add(self.code)
 
     def _frame_locals(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any] | None:
         """The locals Dynamo's frame evaluation guards on: arguments bound as the frame binds
         them, and the free variables' current values."""
         func = self.func
-        if self._bind is None or self._defaults[0] is not func.__defaults__ or self._defaults[1] is not func.__kwdefaults__:
+        kwdefaults = func.__kwdefaults__
+        if (self._bind is None or self._defaults[0] is not func.__defaults__ or self._defaults[1] is not kwdefaults
+                or (kwdefaults is not None and not _same_items(kwdefaults, self._kwdefaults))):
+            # The binder applies the defaults it was built with: rebuild it when they change,
+            # also in place (``forward.__kwdefaults__["x"] = ...``), which the frame would see.
             self._bind = _binder(func)
-            self._defaults = (func.__defaults__, func.__kwdefaults__)
+            self._defaults = (func.__defaults__, kwdefaults)
+            self._kwdefaults = tuple(kwdefaults.items()) if kwdefaults is not None else ()
             self._functions.clear()
         f_locals = self._bind((self.module, *args) if self.method else args, kwargs)
         if f_locals is None:
@@ -401,6 +445,14 @@ class GuardedDispatch:
                 fn = types.MethodType(fn, self.module)
         self._functions[id(code)] = (code, fn)
         return fn
+
+
+def _same_items(d: dict, items: tuple) -> bool:
+    """``d`` holds exactly ``items``, each the same object (not ``==``: a default may be a tensor)."""
+    return len(d) == len(items) and all(d.get(k, _MISSING) is v for k, v in items)
+
+
+_MISSING = object()
 
 
 def _binder(func: types.FunctionType) -> Callable[[tuple, dict[str, Any]], dict[str, Any] | None]:

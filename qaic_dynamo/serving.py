@@ -605,6 +605,9 @@ class DisaggregatedServer:
                         ("prefill_stages", prefill_stages)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"DisaggregatedServer: {name} must be a positive int, got {v!r}")
+        if gloo_init_method is not None and transport != "gloo":
+            raise ValueError(f"DisaggregatedServer: gloo_init_method is the gloo transport's rendezvous, but the "
+                             f"transport is {transport!r}; pass transport='gloo' or drop gloo_init_method")
         self.model = model
         self.transport = transport
         self.ctx_len = ctx_len

@@ -594,6 +594,10 @@ second.__enter__()  # e.g. another thread building the registry meanwhile
 # A function outside the torch library is onnxscript's own business, converted at once.
 assert type(onnxscript.script()(relu)) is onnxscript.OnnxFunction
 assert type(onnxscript.values.TracedOnnxFunction(op, relu)) is traced
+made = {"op": op}
+exec("def made(x):\\n    return op.Relu(x)\\n", made)  # no __name__ global: __module__ is None
+assert made["made"].__module__ is None
+assert type(onnxscript.values.TracedOnnxFunction(op, made["made"])) is traced
 relu.__module__ = "onnxscript.function_libs.torch_lib.ops.example"
 assert isinstance(onnxscript.script()(relu), deferred_script_function_class())
 assert isinstance(onnxscript.values.TracedOnnxFunction(op, relu), deferred_signature_traced_function_class())

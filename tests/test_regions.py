@@ -6,12 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import qaic_dynamo
 from qaic_dynamo import LLM, compilation_counter
 from qaic_dynamo.config import ConfigError
 from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM, QaicMLAConfig, QaicMLAForCausalLM
 from qaic_dynamo.regions import CompiledRegion, find_repeated_blocks, plan_regions
+from qaic_dynamo.runtime import PieceRunner
 
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38, 46, 26, 43, 38]]
 
@@ -332,26 +334,102 @@ def test_hooks_and_stances_go_through_dynamo():
             model(x)
 
 
-def test_every_call_goes_through_dynamo_while_it_is_disabled():
-    """``torch._dynamo.config.disable`` set after compiling: Dynamo still runs a cached
-    entry whose guards pass, but a miss marks the code skipped and later hits run eagerly
-    too - which the cache entries do not show, so guarded dispatch leaves every call to
-    Dynamo while the flag is set (hit, miss, and hit after the miss)."""
-    model, ref, x = compiled_stack()
+class _PassThrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def piece_runs(monkeypatch):
+    """A list whose length is the number of ONNX Runtime piece runs since it was cleared."""
+    runs = []
+    forward = PieceRunner.forward
+
+    def counting(self, *args):
+        runs.append(self.label)
+        return forward(self, *args)
+
+    monkeypatch.setattr(PieceRunner, "forward", counting)
+    return runs
+
+
+@pytest.mark.parametrize("trigger", ["disabled", "dispatch_mode"])
+@pytest.mark.parametrize("dispatch", ["guarded", "dynamo"])
+def test_a_code_object_dynamo_skipped_runs_eagerly_in_both_dispatches(dispatch, trigger, piece_runs):
+    """A miss Dynamo does not compile (Dynamo disabled, a TorchDispatchMode active) marks
+    the code object skipped: Dynamo then runs it eagerly, hits included, until a reset.
+    Guarded dispatch cannot read the mark; it sees the miss that added no cache entry and
+    leaves the region to Dynamo - so both dispatches run the same pieces at every call."""
+    model, ref, x = compiled_stack(region_dispatch=dispatch)
+    wide = torch.randn(5, 8)  # no entry passes: size 4 was specialised
     with torch.no_grad():
         model(x)
         with torch._dynamo.config.patch(disable=True):
-            with compilation_counter.expect(num_guarded_region_calls=0, num_dynamo_region_calls=1 + 2):
-                torch.testing.assert_close(model(x), ref(x))
-            wide = torch.randn(5, 8)
-            with compilation_counter.expect(
-                num_guarded_region_calls=0,
-                num_dynamo_region_calls=1 + 2,  # no entry passes for 5 rows (size 4 specialised)
-                num_graphs_seen=0,  # disabled: Dynamo compiles nothing, the regions run eagerly
-            ):
+            piece_runs.clear()
+            torch.testing.assert_close(model(x), ref(x))  # a hit still runs Dynamo's entry
+            assert len(piece_runs) == 1 + 2  # inp, two layers
+        with (torch._dynamo.config.patch(disable=True) if trigger == "disabled" else _PassThrough()):
+            with compilation_counter.expect(num_guarded_region_calls=0, num_dynamo_region_calls=1 + 2,
+                                            num_graphs_seen=0):  # nothing compiled: eager
                 torch.testing.assert_close(model(wide), ref(wide))
-            with compilation_counter.expect(num_guarded_region_calls=0, num_dynamo_region_calls=1 + 2):
-                torch.testing.assert_close(model(x), ref(x))
+        piece_runs.clear()
+        with compilation_counter.expect(num_guarded_region_calls=0, num_dynamo_region_calls=1 + 2,
+                                        num_graphs_seen=0):
+            torch.testing.assert_close(model(x), ref(x))  # enabled again, guards pass: still eager
+        assert piece_runs == []
+        torch._dynamo.reset()  # clears the mark with the entries
+        guarded = 1 if dispatch == "guarded" else 0  # layer 1 reuses what layer 0 compiled
+        with compilation_counter.expect(num_dynamo_region_calls=1 + 2 - guarded, num_guarded_region_calls=guarded,
+                                        num_graphs_seen=2):  # inp, the block
+            model(x)
+        piece_runs.clear()
+        torch.testing.assert_close(model(x), ref(x))
+        assert len(piece_runs) == 1 + 2
+
+
+def test_forward_defaults_changed_in_place_and_a_replaced_code_are_seen():
+    """The frame binds the function's current defaults and runs its current code: a
+    keyword default changed in place fails the old guards (Dynamo recompiles), and a
+    replaced ``__code__`` is compiled anew - never the old entry."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x, *, scale=2.0):
+            return self.proj(x) * scale
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.inp = nn.Linear(8, 8)
+            self.layers = nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x):
+            x = self.inp(x)
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    import copy
+
+    model = Net()
+    ref = copy.deepcopy(model)
+    qaic_dynamo.compile(model, cache=False)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        model(x)
+        Block.forward.__kwdefaults__["scale"] = 3.0
+        with compilation_counter.expect(num_graphs_seen=1, num_guarded_region_calls=1 + 1):  # recompiled once
+            torch.testing.assert_close(model(x), ref(x))
+
+        def forward(self, x, *, scale=2.0):
+            return self.proj(x) * scale + 1.0
+
+        Block.forward.__code__ = forward.__code__
+        with compilation_counter.expect(num_graphs_seen=1, num_guarded_region_calls=1):  # only inp
+            torch.testing.assert_close(model(x), ref(x))
 
 
 @torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)

@@ -102,6 +102,16 @@ def test_session_roles_have_their_execution_slots():
         Session(model, "encode", num_slots=4, ctx_len=CTX)
 
 
+def test_bad_server_arguments_are_refused_before_any_worker_starts():
+    model = llama(2)
+    with pytest.raises(ValueError, match=r"transport must be one of \['shm', 'copy', 'gloo'\], got 'tcp'"):
+        DisaggregatedServer(model, transport="tcp")
+    with pytest.raises(ValueError, match="gloo_init_method is the gloo transport's rendezvous, but the transport is 'shm'"):
+        DisaggregatedServer(model, transport="shm", gloo_init_method="tcp://127.0.0.1:29500")
+    with pytest.raises(ValueError, match="decode_slots must be a positive int, got 0"):
+        DisaggregatedServer(model, decode_slots=0)
+
+
 def test_prefill_writes_straight_into_the_decode_slot():
     """set_data_with_slices binds the shared buffers themselves: the prefill run writes
     slot 2 of them (same memory), no other slot changes, and nothing is copied."""
