@@ -320,12 +320,14 @@ class GuardedDispatch:
     * an entry whose code resumes after a graph break: its resume functions are compiled
       only when Dynamo's callback is set.
 
-    A miss that Dynamo does not compile - Dynamo disabled, a ``TorchDispatchMode``
-    active, a recompile limit hit, a suppressed compile error - marks the code object
-    skipped: Dynamo runs it eagerly from then on, hits included, until
-    ``torch._dynamo.reset()``. That mark cannot be read, so :meth:`after_dynamo` infers it
-    (a miss sent to Dynamo that added no cache entry) and the region then leaves every call
-    to Dynamo until its entries are gone (a reset).
+    A miss that Dynamo skips - Dynamo disabled, a ``TorchDispatchMode`` active (both
+    tested) - marks the code object skipped: Dynamo runs it eagerly from then on, hits
+    included, until ``torch._dynamo.reset()``. That mark cannot be read, so
+    :meth:`after_dynamo` infers it from a miss sent to Dynamo that added no cache entry,
+    and the region then leaves every call to Dynamo until its entries are gone (a reset).
+    A miss that adds no entry without marking the code (past the recompile limit, Dynamo
+    runs that call eagerly and keeps running its entries' hits) is treated the same:
+    every call through Dynamo, slower but never different.
 
     The code object, the defaults (``__defaults__``, and ``__kwdefaults__`` even when changed
     in place) and the closure are read from the function at every call, as the frame would;
