@@ -21,6 +21,7 @@ failed), the seconds it took and any fallback reason; the same table is logged t
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import threading
@@ -41,11 +42,13 @@ from qaic_dynamo.cache import DiskCache, Source, artifact_cache
 from qaic_dynamo.config import CompilationConfig, ConfigError, qaic_compiler_path
 from qaic_dynamo.counter import compilation_counter
 from qaic_dynamo.fingerprint import fingerprint
-from qaic_dynamo.lowering import LoweringError, lower_piece
+from qaic_dynamo.lowering import LoweringError, ProcessWide, lower_piece
 from qaic_dynamo.partition import Piece, PieceKind, SplitReason, split_graph
 from qaic_dynamo.runtime import PieceRunner, qaic_compile, qaic_sdk_available, warn_fallback
 
-__all__ = ["GraphReport", "PieceReport", "QaicBackend", "compile_reports", "last_compile_report", "qaic_backend"]
+__all__ = [
+    "GraphReport", "PieceReport", "QaicBackend", "collector_paused", "compile_reports", "last_compile_report", "qaic_backend",
+]
 
 logger = logging.getLogger("qaic_dynamo")
 
@@ -179,6 +182,39 @@ def _fake_mode(example_values: Sequence[Any]) -> Any:
     return mode
 
 
+def _pause_collector() -> bool:
+    was_enabled = gc.isenabled()
+    gc.disable()
+    return was_enabled
+
+
+def _resume_collector(was_enabled: bool) -> None:
+    if was_enabled:
+        gc.enable()
+
+
+_collector = ProcessWide(_pause_collector, _resume_collector)
+
+
+def collector_paused() -> Any:
+    """Python's cyclic garbage collector off while a graph compiles (restored after).
+
+    The backend allocates hundreds of thousands of short-lived objects (split graphs,
+    fake tensors, sympy expressions, ONNX IR), and each allocation burst triggers
+    collections whose oldest generation re-scans every object alive in the process - at
+    32 layers, Dynamo's whole traced graph and its fake tensors (where a collection landed
+    moved the cost between pieces: the middle piece's aten trace took 0.49-0.81 s). Side
+    by side at 32 layers on the demo model, medians of 3 fresh processes: the whole-model
+    backend 2.54 -> 2.32 s, a restart of the regional compile from the disk cache 2.19 ->
+    1.75 s (regions pause it for Dynamo's trace too). Cycles made meanwhile are collected
+    once the collector runs again. Not ``gc.freeze``: a
+    server that froze its start-up heap (vLLM does) would have it unfrozen after.
+    Process-wide, like the collector; nested and concurrent compiles restore it once, at
+    the last exit.
+    """
+    return _collector.held()
+
+
 def _piece_example_args(
     gm: fx.GraphModule, split_gm: fx.GraphModule, example_values: Sequence[Any], fake_mode: Any
 ) -> dict[str, tuple]:
@@ -228,6 +264,10 @@ class QaicBackend:
         self.disk = DiskCache.get(config.resolved_cache_dir(), config.cache_size_limit) if config.cache else None
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        with collector_paused():
+            return self._compile_graph(gm, example_inputs)
+
+    def _compile_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         t_start = time.perf_counter()
         compilation_counter.bump(num_graphs_seen=1)
         report = _new_report(self.config_hash)

@@ -78,6 +78,7 @@ from qaic_dynamo.ops import QAIC_DOMAIN, QAIC_OPS, kv_cache_update_op, op_name
 __all__ = [
     "LoweringError",
     "PreparedPiece",
+    "ProcessWide",
     "decompositions",
     "export_inputs",
     "fake_values",
@@ -1072,45 +1073,68 @@ def translate_aten(gm: fx.GraphModule, input_names: Sequence[str], output_names:
     return ir.serde.serialize_model(model)
 
 
+class ProcessWide:
+    """A process-wide change held while any user is inside :meth:`held`: ``apply()`` runs
+    at the first entry and ``restore(token)`` - with what ``apply`` returned - at the last
+    exit, however threads and nesting overlap (a change made and undone per user would
+    be undone under another user still inside)."""
+
+    def __init__(self, apply: Callable[[], Any], restore: Callable[[Any], None]) -> None:
+        self._apply, self._restore = apply, restore
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._token: Any = None
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        with self._lock:
+            if self._depth == 0:
+                self._token = self._apply()
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._restore(self._token)
+                    self._token = None
+
+
 _OP_SIGNATURES: dict[tuple[str, str, int], Any] = {}
-_op_signature_patch = {"lock": threading.Lock(), "depth": 0, "original": None}
 
 
-@contextlib.contextmanager
-def _memoized_op_signatures() -> Iterator[None]:
-    """While translating, ``onnx_ir``'s ``OpSignature.from_op_schema`` answers from a
-    process-wide memo keyed by (domain, op, since_version).
-
-    The exporter's op recorder rebuilds the signature of an ONNX op's schema on every node
-    it emits (and each build hashes every allowed type of every constraint): about a
-    third of a piece's translation time, for a value that depends only on the schema.
-    The signature is read, never changed, by the recorder. The patch is undone when the
-    last translation in progress (threads may overlap) ends, so nothing outside our own
-    translations sees it."""
+def _memoize_op_signatures() -> Any:
     from onnx_ir.schemas import OpSignature
 
-    state = _op_signature_patch
-    with state["lock"]:
-        if state["depth"] == 0:
-            state["original"] = OpSignature.__dict__["from_op_schema"]
-            build = state["original"].__func__
+    original = OpSignature.__dict__["from_op_schema"]
+    build = original.__func__
 
-            def from_op_schema(cls: type, schema: Any) -> Any:
-                key = (schema.domain, schema.name, schema.since_version)
-                sig = _OP_SIGNATURES.get(key)
-                if sig is None:
-                    sig = _OP_SIGNATURES[key] = build(cls, schema)
-                return sig
+    def from_op_schema(cls: type, schema: Any) -> Any:
+        key = (schema.domain, schema.name, schema.since_version)
+        sig = _OP_SIGNATURES.get(key)
+        if sig is None:
+            sig = _OP_SIGNATURES[key] = build(cls, schema)
+        return sig
 
-            OpSignature.from_op_schema = classmethod(from_op_schema)
-        state["depth"] += 1
-    try:
-        yield
-    finally:
-        with state["lock"]:
-            state["depth"] -= 1
-            if state["depth"] == 0:
-                OpSignature.from_op_schema = state["original"]
+    OpSignature.from_op_schema = classmethod(from_op_schema)
+    return original
+
+
+def _unmemoize_op_signatures(original: Any) -> None:
+    from onnx_ir.schemas import OpSignature
+
+    OpSignature.from_op_schema = original
+
+
+#: While translating, ``onnx_ir``'s ``OpSignature.from_op_schema`` answers from a
+#: process-wide memo keyed by (domain, op, since_version). The exporter's op recorder
+#: rebuilds the signature of an ONNX op's schema on every node it emits (and each build
+#: hashes every allowed type of every constraint): about a third of a piece's translation
+#: time, for a value that depends only on the schema. The signature is read, never
+#: changed, by the recorder. The patch is undone when the last translation in progress
+#: (threads may overlap) ends, so nothing outside our own translations sees it.
+_memoized_op_signatures = ProcessWide(_memoize_op_signatures, _unmemoize_op_signatures).held
 
 
 def _lower_direct(prepared: PreparedPiece, opset: int, seconds: dict[str, float]) -> onnx.ModelProto:

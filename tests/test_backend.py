@@ -410,3 +410,36 @@ def test_mla_updates_lower_to_latent_retained_state():
     m = onnx.load(str(Path(first.artifact) / "model.onnx"))
     assert [i.name for i in m.graph.input][-3:] == ["compressed_kv", "k_pe", "slot_mapping"]
     assert [o.name for o in m.graph.output][-2:] == ["compressed_kv_RetainedState", "k_pe_RetainedState"]
+
+
+def test_the_collector_is_paused_while_a_graph_compiles_and_restored_after(monkeypatch):
+    import gc
+
+    import qaic_dynamo.backend as backend
+
+    seen = []
+    split = backend.split_graph
+
+    def spy(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return split(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "split_graph", spy)
+    assert gc.isenabled()
+    compare(llama(2), steps=1)
+    assert seen and not any(seen)  # off inside every backend call (one graph per compile here)
+    assert gc.isenabled()
+
+    # Nested pauses restore once, at the last exit; a collector the caller turned off stays off.
+    with backend.collector_paused():
+        with backend.collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with backend.collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

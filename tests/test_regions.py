@@ -103,6 +103,29 @@ def test_dynamo_traces_regions_without_its_fake_tensor_cache_and_whole_models_wi
     assert got == engine(model, backend="eager").generate(PROMPTS, 3)
 
 
+def test_regions_compile_with_the_collector_paused():
+    """Dynamo's trace of a region, not only the backend, runs with Python's cyclic collector
+    off (backend.collector_paused); it is on again afterwards."""
+    import gc
+
+    from torch._dynamo.callback import callback_handler
+
+    seen = []
+
+    def on_start(*args):
+        seen.append(gc.isenabled())
+
+    plan = plan_regions(llama(2))
+    callback_handler.register_start_callback(on_start)
+    try:
+        got = engine(llama(2), compile_options={"cache": False}).generate(PROMPTS, 2)
+    finally:
+        callback_handler.remove_start_callback(on_start)
+    assert len(seen) == len(plan.blocks) + len(plan.rest) and not any(seen)  # one frame compile per region
+    assert gc.isenabled()
+    assert got == engine(llama(2), backend="eager").generate(PROMPTS, 2)
+
+
 def test_per_layer_names_in_a_block_are_refused_by_dynamo_not_silently_wrong():
     """With real layer names (the baseline) a traced block reads a per-layer constant:
     Dynamo re-traces it per layer. It stays correct; the point of the magic name is that
