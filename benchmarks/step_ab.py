@@ -114,7 +114,12 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--child", choices=["default", "whole"], dest="config")
     ap.add_argument("--tag", default="", help="suffix for the result files")
+    ap.add_argument("--quick", action="store_true", help="tiny model, one round, few steps (tests)")
+    ap.add_argument("--results-dir", type=Path, default=None)
     args = ap.parse_args()
+    if args.quick:
+        args.layers, args.hidden_size, args.vocab, args.rounds, args.steps = 2, 64, 512, 1, 3
+        args.tag = args.tag or "quick"
     if args.config:
         return child(args)
     if args.baseline is None or not (args.baseline / "qaic_dynamo").is_dir():
@@ -148,7 +153,7 @@ def main() -> None:
     print(md)
     save_results("step_ab" + (f"_{args.tag}" if args.tag else ""),
                  {"baseline": rev, "layers": args.layers, "hidden": args.hidden_size, "rounds": args.rounds,
-                  "steps": args.steps, "samples_ms": samples, "median_ms": med}, md)
+                  "steps": args.steps, "samples_ms": samples, "median_ms": med}, md, args.results_dir)
 
 
 if __name__ == "__main__":

@@ -135,3 +135,26 @@ def test_families_benchmark_smoke(tmp_path):
         assert two["first_call_s"] > 0 and two["eager_fallbacks"] == three["eager_fallbacks"] == 0
         assert two["unique_pieces"] == three["unique_pieces"], family  # flat in depth
     assert "Families: cold start" in out
+
+
+@pytest.mark.slow  # three fresh processes compiling a 2-layer model: ~40 s on 2 cores
+def test_step_ab_benchmark_smoke(tmp_path):
+    """This checkout against itself as the baseline: every configuration ran in its own
+    process from the checkout named, and the report has every case."""
+    out = run_benchmark("step_ab.py", tmp_path, "--baseline", str(ROOT))
+    result = json.loads((tmp_path / "step_ab_quick.json").read_text())
+    cases = {"prefill b1x128", "decode b1", "decode b8"}
+    assert set(result["median_ms"]) == {"baseline", "default", "whole"}
+    for per in result["median_ms"].values():
+        assert set(per) == cases and all(v > 0 for v in per.values())
+    assert "default / baseline" in out and "regional / whole" in out
+
+
+def test_step_ab_refuses_a_baseline_that_is_not_a_built_checkout(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_ab.py"), "--baseline", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--baseline must be a checkout of qaic_dynamo" in proc.stderr
+    (tmp_path / "qaic_dynamo").mkdir()
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_ab.py"), "--baseline", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "has no built extension" in proc.stderr
