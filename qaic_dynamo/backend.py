@@ -207,10 +207,9 @@ def collector_paused() -> Any:
     by side at 32 layers on the demo model, medians of 3 fresh processes: the whole-model
     backend 2.54 -> 2.32 s, a restart of the regional compile from the disk cache 2.19 ->
     1.75 s (regions pause it for Dynamo's trace too). Cycles made meanwhile are collected
-    once the collector runs again. Not ``gc.freeze``: a
-    server that froze its start-up heap (vLLM does) would have it unfrozen after.
-    Process-wide, like the collector; nested and concurrent compiles restore it once, at
-    the last exit.
+    once the collector runs again. Not ``gc.freeze``: a server that froze its start-up
+    heap (vLLM does) would have it unfrozen after. Process-wide, like the collector;
+    nested and concurrent compiles restore it once, at the last exit.
     """
     return _collector.held()
 
