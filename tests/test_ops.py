@@ -85,6 +85,58 @@ def test_padding_never_writes_the_last_slot(block_size):
     assert torch.count_nonzero(kc) == 2 * 4  # only slot 0, both heads
 
 
+def _onnx_kv_cache_scatter(cache, slot_mapping, updates):
+    """The KVCacheScatter ONNX function, run alone in ONNX Runtime."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    from qaic_dynamo.onnx_functions import function_protos
+    from qaic_dynamo.ops import QAIC_DOMAIN
+
+    elem = {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16}[cache.dtype]
+    node = onnx.helper.make_node("KVCacheScatter", ["cache", "slot_mapping", "updates"], ["out"], domain=QAIC_DOMAIN)
+    graph = onnx.helper.make_graph(
+        [node], "g",
+        [onnx.helper.make_tensor_value_info("cache", elem, ["nb", cache.shape[1], "bs", cache.shape[3]]),
+         onnx.helper.make_tensor_value_info("slot_mapping", onnx.TensorProto.INT64, ["t"]),
+         onnx.helper.make_tensor_value_info("updates", elem, ["r", cache.shape[1], cache.shape[3]])],
+        [onnx.helper.make_tensor_value_info("out", elem, ["nb", cache.shape[1], "bs", cache.shape[3]])],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18),
+                                                         onnx.helper.make_opsetid(QAIC_DOMAIN, 1)],
+                                   functions=function_protos({"KVCacheScatter"}))
+    model.ir_version = 10
+    onnx.checker.check_model(model, full_check=True)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (out,) = sess.run(None, {"cache": cache.numpy(), "slot_mapping": slot_mapping.numpy().astype(np.int64),
+                             "updates": updates.numpy()})
+    return torch.from_numpy(out)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    block_size=st.sampled_from([1, 16, 48]),
+    num_tokens=st.integers(0, 40),
+    extra_rows=st.integers(0, 3),
+    pad_every=st.integers(1, 7),
+    seed=st.integers(0, 2**16),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+)
+def test_kv_cache_scatter_onnx_function_matches_the_kernel(block_size, num_tokens, extra_rows, pad_every, seed, dtype):
+    """The ONNX translation of the cache update writes what the C++ kernel writes: real
+    tokens to their slots, nothing for padded slots (-1, every one of them when
+    pad_every=1) or update rows past the slot mapping."""
+    g = torch.Generator().manual_seed(seed)
+    nb = 96 // block_size
+    kc, _ = caches(nb, 3, block_size, 4, dtype, fill=7.0)
+    slots = torch.randperm(nb * block_size, generator=g)[:num_tokens]
+    slots[::pad_every] = -1
+    k = torch.randn(num_tokens + extra_rows, 3, 4, generator=g).to(dtype)
+    want, _ = ref_reshape_and_cache(k[:num_tokens], k[:num_tokens], kc.clone(), kc.clone(), slots)
+    assert torch.equal(_onnx_kv_cache_scatter(kc, slots, k), want)
+
+
 def test_non_contiguous_key_rows_are_accepted():
     # K/V often come out of a fused qkv projection as strided views.
     qkv = torch.randn(5, 3, 2, 8)
