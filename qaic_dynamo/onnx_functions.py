@@ -22,13 +22,10 @@ function name to the torch.onnx translation of the op it stands for.
 
 Padding needs care: ScatterND reads a negative index as counting from the end, so a -1
 slot would silently overwrite the last slot of the cache. Padded rows are therefore
-dropped (``Compress``) before the scatter; a batch with no real token scatters nothing.
-
-The body is kept short because ONNX Runtime runs it inline for every cache of every layer
-in every step: 20 ops, against 35 for an earlier body that redirected padded rows to
-repeat the first real write (and failed on an empty slot mapping). The demo model's
-block pre-attention piece went from 406-414 to 339-392 us in a tight loop (decode, batch
-1); engine steps did not change measurably (docs/benchmarks.md).
+*redirected* to repeat the first real token's write (same slot, same value): ScatterND
+leaves the order of duplicate writes undefined, but when the duplicates carry identical
+values every order gives the same result. A batch with no real token at all rewrites slot
+0 with its own current value. Either way padding changes nothing.
 """
 
 from __future__ import annotations
@@ -55,24 +52,38 @@ def KVCacheScatter(cache: TFloat, slot_mapping: INT64, updates: TFloat) -> TFloa
     one = op.Constant(value_ints=[1])
     two = op.Constant(value_ints=[2])
     three = op.Constant(value_ints=[3])
-    zero_int = op.Constant(value_int=0)
+    four = op.Constant(value_ints=[4])
     shape = op.Shape(cache)
+    heads = op.Slice(shape, one, two)
     block_size = op.Slice(shape, two, three)
-    heads = op.Squeeze(op.Slice(shape, one, two), zero)
 
-    # Only real tokens are written: padded rows (slot -1, and update rows past the slot
-    # mapping) are dropped before the scatter.
-    valid = op.GreaterOrEqual(slot_mapping, zero_int)
-    slot = op.Unsqueeze(op.Compress(slot_mapping, valid, axis=0), op.Constant(value_ints=[1, 2]))  # [T, 1, 1]
-    rows = op.Compress(op.Slice(updates, zero, op.Shape(slot_mapping)), valid, axis=0)  # [T, heads, head_size]
+    num_tokens = op.Shape(slot_mapping)
+    rows = op.Slice(updates, zero, num_tokens)  # drop padding rows past the slot mapping
+    valid = op.GreaterOrEqual(slot_mapping, op.Constant(value_int=0))
 
-    # indices [T, heads, 3] = (block, 0, offset) per token + (0, head, 0) per head
-    block = op.Div(slot, block_size)
-    per_token = op.Concat(block, op.Mul(block, zero_int), op.Mod(slot, block_size), axis=2)  # [T, 1, 3]
-    head = op.Unsqueeze(op.Range(zero_int, heads, op.Constant(value_int=1)), op.Constant(value_ints=[0, 2]))
-    no_head = op.Mul(head, zero_int)
-    per_head = op.Concat(no_head, head, no_head, axis=2)  # [1, heads, 3]
-    return op.ScatterND(cache, op.Add(per_token, per_head), rows)
+    # The write every padded row repeats: the first real token's, or slot 0's own value.
+    first = op.ArgMax(op.Cast(valid, to=6), axis=0, keepdims=1)
+    first_slot = op.Gather(slot_mapping, first)
+    any_valid = op.GreaterOrEqual(first_slot, op.Constant(value_int=0))
+    slot0 = op.Reshape(
+        op.Gather(op.Gather(cache, zero, axis=0), zero, axis=2),
+        op.Concat(one, heads, op.Slice(shape, three, four), axis=0),
+    )
+    fill_slot = op.Where(any_valid, first_slot, zero)
+    fill_row = op.Where(op.Unsqueeze(any_valid, op.Constant(value_ints=[1, 2])), op.Gather(rows, first, axis=0), slot0)
+    slot = op.Where(valid, slot_mapping, fill_slot)
+    src = op.Where(op.Unsqueeze(valid, op.Constant(value_ints=[1, 2])), rows, fill_row)
+
+    # indices [T, heads, 3] = (block, head, offset)
+    grid = op.Concat(num_tokens, heads, axis=0)
+    block = op.Expand(op.Unsqueeze(op.Div(slot, block_size), one), grid)
+    offset = op.Expand(op.Unsqueeze(op.Mod(slot, block_size), one), grid)
+    head = op.Expand(
+        op.Unsqueeze(op.Range(op.Constant(value_int=0), op.Squeeze(heads, zero), op.Constant(value_int=1)), zero),
+        grid,
+    )
+    indices = op.Concat(op.Unsqueeze(block, two), op.Unsqueeze(head, two), op.Unsqueeze(offset, two), axis=2)
+    return op.ScatterND(cache, indices, src)
 
 
 @onnxscript.script(qaic_opset, default_opset=op)
