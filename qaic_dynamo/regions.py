@@ -358,6 +358,7 @@ class GuardedDispatch:
         self._defaults: tuple = ()
         self._bind: Callable[[tuple, dict[str, Any]], dict[str, Any] | None] | None = None
         self._functions: dict[int, tuple[types.CodeType, Callable | None]] = {}
+        self._backend_matches: dict[int, tuple[Any, bool]] = {}  # id -> (entry backend, equal to ours)
         self._kwdefaults: tuple = ()  # (name, value) pairs the binder was built with
         self._thread = threading.local()  # .miss: cache entries at this thread's last miss
 
@@ -375,7 +376,8 @@ class GuardedDispatch:
         for a block, so it takes ``*args, **kwargs``), or None."""
         internals, module, func = self._internals, self.module, self.func
         self._thread.miss = None
-        if self.code in DYNAMO_SKIPPED:
+        # Emptiness first: membership hashes the code object (its bytecode and constants).
+        if DYNAMO_SKIPPED and self.code in DYNAMO_SKIPPED:
             if internals.cache_entries(self.code, self.isolate_recompiles_id):
                 return None
             DYNAMO_SKIPPED.discard(self.code)  # its entries are gone: reset() cleared the mark too
@@ -397,12 +399,27 @@ class GuardedDispatch:
             return None
         entries = internals.cache_entries(self.code, self.isolate_recompiles_id)
         for entry in entries:
-            if entry.backend is not self.backend and entry.backend != self.backend:
+            if not self._same_backend(entry.backend):
                 continue
             if entry.guard_manager.check(f_locals):
                 return self._function(entry.code)
         self._thread.miss = len(entries)
         return None
+
+    def _same_backend(self, backend: Any) -> bool:
+        """Dynamo's backend match: the same object, or an equal one. Every block but the
+        first carries a ``torch.compile`` wrapper of its own while the entries hold the
+        first block's, and the wrapper's ``__eq__`` compares its options dict - ~10 us a
+        call inside a decode step, per layer. The answer is kept per backend object (held,
+        so its id is not reused); a wrapper's options are not changed after compiling."""
+        if backend is self.backend:
+            return True
+        known = self._backend_matches.get(id(backend))
+        if known is not None and known[0] is backend:
+            return known[1]
+        same = bool(backend == self.backend)
+        self._backend_matches[id(backend)] = (backend, same)
+        return same
 
     def after_dynamo(self) -> None:
         """Called after a call that :meth:`lookup` sent to Dynamo. If it went there on a

@@ -307,6 +307,37 @@ def test_blocks_run_dynamos_code_after_its_guards_pass():
     assert torch.equal(again, got)
 
 
+
+def test_a_block_runs_only_entries_of_its_own_backend():
+    """Two models of one block class share the block's code object, so Dynamo's cache
+    holds both compiles' entries. A block compiled with other options (another backend,
+    by ``torch.compile``'s equality) never runs the other model's entry; blocks compiled
+    with equal options do (each block has a wrapper of its own: matched by equality)."""
+    a, ref, x = compiled_stack(3)
+    b, _, _ = compiled_stack(3, num_threads=1)
+    with torch.no_grad():
+        a(x)
+        with compilation_counter.expect(
+            num_guarded_region_calls=2,  # b's layers 1 and 2 run b's new entry
+            num_dynamo_region_calls=1 + 1,  # b's inp, and b's layer 0: a's entry is not b's backend
+            num_graphs_seen=2,  # the block again for b's backend, b's inp
+        ):
+            got = b(x)
+        with compilation_counter.expect(
+            num_guarded_region_calls=2 * (3 + 1),  # every layer and inp, of a and of b
+            num_dynamo_region_calls=0,
+            num_graphs_seen=0,
+        ):
+            a(x)
+            again = b(x)
+    blocks = [blk.dispatch for blk in list(a.layers) + list(b.layers)]
+    assert blocks[1].backend is not blocks[0].backend and blocks[1].backend == blocks[0].backend
+    assert blocks[3].backend != blocks[0].backend
+    for _ in range(2):  # the second time from what _same_backend kept
+        assert [d._same_backend(blocks[0].backend) for d in blocks] == [True] * 3 + [False] * 3
+    torch.testing.assert_close(got, ref(x))
+    assert torch.equal(again, got)
+
 def test_a_changed_attribute_fails_the_guard_and_recompiles_not_silently_wrong():
     """The guards that protect Dynamo's own dispatch protect this one: a block whose
     ``act`` changed no longer passes, goes through Dynamo, and is recompiled."""
