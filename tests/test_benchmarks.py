@@ -158,3 +158,15 @@ def test_step_ab_refuses_a_baseline_that_is_not_a_built_checkout(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_ab.py"), "--baseline", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "has no built extension" in proc.stderr
+
+
+@pytest.mark.slow  # three fresh processes tracing a 2-layer model's block: ~25 s on 2 cores
+def test_dynamo_precompile_benchmark_smoke(tmp_path):
+    out = run_benchmark("dynamo_precompile.py", tmp_path)
+    result = json.loads((tmp_path / "dynamo_precompile_quick.json").read_text())
+    assert set(result["median_seconds"]) == {"trace", "save", "load"}
+    load, save = result["samples"]["load"][0], result["samples"]["save"][0]
+    assert load["max_abs_diff"] == 0 and load["guards_pass_other_layer"]
+    # what the docs say keeps it from being used: the block's class guard is among the dropped
+    assert save["guards_kept"] > 0 and "CLASS_MATCH (local)" in save["guards_dropped"]
+    assert "load / trace =" in out
