@@ -16,6 +16,8 @@ In the key:
     qaic_dynamo's own code: every ``.py`` file of the package and the built ``_C``
     library (computed once per process, like inductor's ``torch_key``), so an edit under
     an editable install, where the version string stays the same, still misses.
+A graph module a node refers to (the branches of ``torch.cond`` and other higher-order ops)
+is keyed by its own nodes, as the piece is; any other module by its class, repr and state.
 Not in the key: node and placeholder names, the layer's position, and parameter values
 (parameters are inputs; their metadata is in the key, their values are not).
 
@@ -195,7 +197,17 @@ def canonical_names(example_args: Sequence[Any]) -> CanonicalNames:
     return canon
 
 
-def _target(node: fx.Node, gm: fx.GraphModule, canon: CanonicalNames) -> Any:
+def _module_key(mod: torch.nn.Module, canon: CanonicalNames, prefix: str) -> dict[str, Any]:
+    """A module a node refers to: a graph module (the branches of ``torch.cond`` and other
+    higher-order ops) by its own nodes, keyed like the piece's; any other by its class,
+    repr and state."""
+    if isinstance(mod, fx.GraphModule):
+        return {"graph": _graph_body(mod, canon, prefix)}
+    state = {k: _tensor_digest(v) for k, v in mod.state_dict().items()}
+    return {"module": f"{type(mod).__module__}.{type(mod).__qualname__}", "repr": repr(mod), "state": state}
+
+
+def _target(node: fx.Node, gm: fx.GraphModule, canon: CanonicalNames, prefix: str) -> Any:
     if node.op == "call_function":
         if node.target is operator.getitem:
             return "getitem"
@@ -206,12 +218,29 @@ def _target(node: fx.Node, gm: fx.GraphModule, canon: CanonicalNames) -> Any:
         attr = operator.attrgetter(node.target)(gm)
         if isinstance(attr, torch.Tensor):
             return {"get_attr": _tensor_digest(attr)}
+        if isinstance(attr, torch.nn.Module):
+            # Not by name: two cond branches differing in one constant are two functions.
+            return {"get_attr": _module_key(attr, canon, f"{prefix}{node.target}.")}
         return {"get_attr": canon.value(attr)}
     if node.op == "call_module":
-        mod = operator.attrgetter(node.target)(gm)
-        state = {k: _tensor_digest(v) for k, v in mod.state_dict().items()}
-        return {"module": f"{type(mod).__module__}.{type(mod).__qualname__}", "repr": repr(mod), "state": state}
+        return _module_key(operator.attrgetter(node.target)(gm), canon, f"{prefix}{node.target}.")
     return node.op
+
+
+def _graph_body(gm: fx.GraphModule, canon: CanonicalNames, prefix: str = "") -> list[Any]:
+    """Every node of ``gm`` but its placeholders (named by the caller), in order, with
+    nodes referred to by position; nested graph modules under ``prefix``."""
+    body: list[Any] = []
+    for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        canon.nodes.setdefault(node, f"{prefix}in{i}")
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        canon.nodes[node] = f"{prefix}n{len(body)}"
+        body.append(
+            [node.op, _target(node, gm, canon, prefix), canon.value(tuple(node.args)), canon.value(dict(node.kwargs))]
+        )
+    return body
 
 
 def fingerprint(gm: fx.GraphModule, example_args: Sequence[Any], config_hash: str) -> Fingerprint:
@@ -225,16 +254,9 @@ def fingerprint(gm: fx.GraphModule, example_args: Sequence[Any], config_hash: st
     for i, (node, arg) in enumerate(zip(placeholders, example_args)):
         canon.nodes[node] = f"in{i}"
         inputs.append(canon.example(arg))
-    body = []
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            continue
-        canon.nodes[node] = f"n{len(body)}"
-        body.append(
-            [node.op, _target(node, gm, canon), canon.value(tuple(node.args)), canon.value(dict(node.kwargs))]
-        )
+    body = _graph_body(gm, canon)
     payload = {
-        "format": 2,
+        "format": 3,
         "inputs": inputs,
         "graph": body,
         "config_hash": config_hash,

@@ -71,6 +71,18 @@ def kv_agnostic(k, v):
     return ops.unified_kv_cache_update(k, v, "from_forward_context")
 
 
+def cond_times2(x, w):
+    return torch.cond(x.sum() > 0, lambda t: t * 2.0, lambda t: t - 1.0, (x * w,))
+
+
+def cond_times3(x, w):
+    return torch.cond(x.sum() > 0, lambda t: t * 3.0, lambda t: t - 1.0, (x * w,))
+
+
+def cond_times2_renamed(hidden, weight):
+    return torch.cond(hidden.sum() > 0, lambda h: h * 2.0, lambda h: h - 1.0, (hidden * weight,))
+
+
 KV = (torch.randn(3, 2, 4), torch.randn(3, 2, 4))
 
 
@@ -82,8 +94,9 @@ KV = (torch.randn(3, 2, 4), torch.randn(3, 2, 4))
         (const_a, const_b, (X, W)),  # a constant tensor (one element differs)
         (kv_layer0, kv_layer1, KV),  # a layer-name string
         (kv_layer0, kv_agnostic, KV),
+        (cond_times2, cond_times3, (X, W)),  # a constant inside a torch.cond branch (a subgraph)
     ],
-    ids=["eps", "activation", "constant-tensor", "layer-name", "name-vs-magic"],
+    ids=["eps", "activation", "constant-tensor", "layer-name", "name-vs-magic", "cond-branch"],
 )
 def test_pieces_that_differ_never_share_a_key(a, b, args):
     assert key_of(a, *args).key != key_of(b, *args).key
@@ -91,6 +104,7 @@ def test_pieces_that_differ_never_share_a_key(a, b, args):
 
 def test_names_do_not_matter():
     assert key_of(norm_eps5, X, W).key == key_of(norm_eps5_renamed, X, W).key
+    assert key_of(cond_times2, X, W).key == key_of(cond_times2_renamed, X, W).key  # branches keyed by structure
 
 
 def test_inputs_metadata_matters_but_values_do_not():
