@@ -300,6 +300,60 @@ def outputs_and_leaves(rw: _Rewrite, out_val: Any) -> tuple[list[list[Any]], lis
     return leaves, outputs, pytree.treespec_dumps(spec)
 
 
+_INPLACE_OPERATORS = frozenset({
+    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+    operator.imatmul,
+})
+
+
+def written_tensor(node: fx.Node) -> Any:
+    """The argument a Dynamo-graph node writes in place (``x.add_(y)``, ``x[i] = v``,
+    ``x += y``, ``torch.relu_(x)``, ``out=``, ``inplace=True``, a mutable op), or None."""
+    if node.op == "call_method":
+        name = node.target
+        return node.args[0] if name.endswith("_") and not name.endswith("__") and node.args else None
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if node.kwargs.get("out") is not None:
+        return node.kwargs["out"]
+    if target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
+        return node.args[0] if node.args else None
+    if isinstance(target, torch._ops.OpOverload):
+        for i, a in enumerate(target._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                return node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+        return None
+    name = getattr(target, "__name__", "")
+    return node.args[0] if name.endswith("_") and not name.endswith("__") and node.args else None
+
+
+def refuse_input_writes(rw: _Rewrite) -> None:
+    """An artifact cannot write its inputs (only retained state, the KV cache through
+    ``qaic::unified_kv_cache_update``): a piece that writes an input, or a view of one, in
+    place - a buffer's ``add_``, a cache of the model's own filled with ``index_copy_`` -
+    is refused, so it runs eagerly instead of losing the write."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    inputs = {}
+    for i, ph in enumerate(rw.placeholders):
+        val = rw.orig_of[ph].meta.get("val")
+        if isinstance(val, torch.Tensor):
+            inputs.setdefault(StorageWeakRef(val.untyped_storage()), (i, rw.orig_of[ph].name))
+    for node in rw.graph.nodes:
+        written = written_tensor(node)
+        val = rw.orig_of[written].meta.get("val") if isinstance(written, fx.Node) and written in rw.orig_of else None
+        if isinstance(val, torch.Tensor) and (hit := inputs.get(StorageWeakRef(val.untyped_storage()))) is not None:
+            origin = rw.orig_of[node]
+            raise LoweringError(
+                f"{origin.name} ({origin.op} {getattr(origin.target, '__name__', origin.target)}) writes in place into "
+                f"piece input {hit[0]} ('{hit[1]}'), and an artifact cannot write its inputs. "
+                "To compile it, return the new value instead of writing it in place (KV caches: "
+                "qaic::unified_kv_cache_update)"
+            )
+
+
 def export_inputs(rw: _Rewrite) -> tuple[list[torch.Tensor], list[dict[int, Any] | None], list[dict[str, Any]]]:
     """Pass 4: example tensors, dynamic dims and layout entries of the ONNX inputs."""
     # Example sizes for the exporter and the direct trace: distinct primes, so a dynamic
@@ -347,7 +401,10 @@ def prepare(gm: fx.GraphModule, example_args: Sequence[Any], fake_mode: Any) -> 
     sizes_from_tensors(rw)
     kv_updates_to_retained_state(rw)
     leaves, outputs, out_spec = outputs_and_leaves(rw, out_val)
-    g.eliminate_dead_code()  # a piece's dead code (Dynamo keeps it) must not reach ONNX
+    refuse_input_writes(rw)
+    # A piece's dead code (Dynamo keeps it) must not reach ONNX; an in-place write whose
+    # result nothing reads is not dead (fx's own test calls ``x.add_(1)`` pure).
+    g.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or written_tensor(n) is not None)
     g.lint()
     example, dynamic, inputs = export_inputs(rw)
     layout = PieceLayout(

@@ -260,6 +260,52 @@ def test_fallback_error_raises():
         torch.compile(model, backend="qaic", options={"fallback": "error"})(x)
 
 
+class WritesItsBuffer(nn.Module):
+    """A piece that writes into its inputs: a step-counter buffer and the input itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("steps", torch.zeros(8))
+
+    def forward(self, x):
+        self.steps.add_(1.0)  # nothing reads the result: fx's dead-code pass calls it pure
+        y = self.lin(x)
+        x[0] = 0.0  # a write through setitem
+        return y + self.steps
+
+
+class WritesATemporary(nn.Module):
+    def forward(self, x):
+        y = x * 2.0
+        y.add_(1.0)  # in place on an intermediate, result unused: must not be dropped
+        y.relu_()
+        return y
+
+
+def test_a_piece_that_writes_its_inputs_runs_eagerly_and_keeps_the_writes():
+    torch.manual_seed(0)
+    model, ref = WritesItsBuffer().eval(), WritesItsBuffer().eval()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(4, 8)
+    x_ref = x.clone()
+    with compilation_counter.expect(num_eager_fallbacks=1, num_backend_compilations=0), \
+            pytest.warns(RuntimeWarning, match="writes in place into piece input"), torch.no_grad():
+        out = torch.compile(model, backend="qaic")(x)
+    torch.testing.assert_close(out, ref(x_ref))
+    torch.testing.assert_close(x, x_ref)  # the input's write happened
+    torch.testing.assert_close(model.steps, ref.steps)  # so did the buffer's (1, not 0)
+    with pytest.raises(Exception, match="writes in place into piece input.*return the new value"):
+        torch.compile(WritesItsBuffer(), backend="qaic", options={"fallback": "error"})(torch.randn(4, 8))
+
+
+def test_in_place_ops_on_intermediates_are_lowered_not_dropped():
+    x = torch.randn(4, 8)
+    with compilation_counter.expect(num_backend_compilations=1, num_eager_fallbacks=0):
+        out = torch.compile(WritesATemporary(), backend="qaic", options={"fallback": "error"})(x)
+    torch.testing.assert_close(out, WritesATemporary()(x))
+
+
 # --- configuration and entry point ----------------------------------------------------------
 
 
