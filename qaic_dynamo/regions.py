@@ -318,7 +318,8 @@ class GuardedDispatch:
     * a stance other than the default, or a trace in progress
       (``torch.compiler.is_compiling``, ``torch.jit.is_tracing``);
     * hooks on the region's module or global module hooks (``nn.Module.__call__`` runs them);
-    * for a block, a ``forward`` replaced on the instance or the class since compiling;
+    * for a block, a ``forward`` replaced on the instance or the class since compiling, or
+      a class with a ``__call__`` of its own (it may change the arguments before ``forward``);
     * no entry, or no entry of this backend whose guards pass (Dynamo then recompiles,
       or falls back, as it would have);
     * an entry whose code resumes after a graph break: its resume functions are compiled
@@ -390,7 +391,8 @@ class GuardedDispatch:
         if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or module._backward_pre_hooks or any(internals.global_hooks)):
             return None
-        if self.method and (type(module).forward is not func or "forward" in module.__dict__):
+        if self.method and (type(module).forward is not func or "forward" in module.__dict__
+                            or not _calls_forward_plainly(module)):
             return None
         if func.__code__ is not self.code:  # Dynamo compiles the new code; its entries are not these
             return None
@@ -468,6 +470,19 @@ class GuardedDispatch:
                 fn = types.MethodType(fn, self.module)
         self._functions[id(code)] = (code, fn)
         return fn
+
+
+def _calls_forward_plainly(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs nn.Module's own call path into ``forward``: a class
+    with its own ``__call__`` (or ``_call_impl``) may change the arguments first, and
+    Dynamo runs that; looking up ``forward``'s entries would skip it."""
+    cls = type(module)
+    return (cls.__call__ is _MODULE_CALL and cls._call_impl is _MODULE_CALL_IMPL
+            and "_call_impl" not in module.__dict__ and "_wrapped_call_impl" not in module.__dict__)
+
+
+_MODULE_CALL = nn.Module.__call__
+_MODULE_CALL_IMPL = nn.Module._call_impl
 
 
 def _same_items(d: dict, items: tuple) -> bool:

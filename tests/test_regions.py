@@ -388,6 +388,31 @@ def test_hooks_and_stances_go_through_dynamo():
             model(x)
 
 
+class ScaledCall(Scaled):
+    """A block class whose own ``__call__`` changes the argument before ``forward``
+    (Dynamo runs it; it is kept out of the trace, so ``forward`` is the compiled frame)."""
+
+    @torch.compiler.disable(recursive=False)
+    def __call__(self, x):
+        return super().__call__(x * 10.0)
+
+
+def test_a_block_class_with_its_own_call_goes_through_dynamo():
+    model = Stack(3)
+    model.layers = nn.ModuleList(ScaledCall(8) for _ in range(3))
+    import copy
+
+    ref = copy.deepcopy(model)
+    qaic_dynamo.compile(model)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        want = ref(x)
+        model(x)
+        with compilation_counter.expect(num_guarded_region_calls=1, num_dynamo_region_calls=3):  # inp; the 3 layers
+            got = model(x)
+    torch.testing.assert_close(got, want)  # forward's entries alone would skip the x10
+
+
 class _PassThrough(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
