@@ -194,6 +194,14 @@ class CompileCache:
             with self._lock:
                 self._failed[key] = str(e)
             return CacheResult(Source.FAILED, failure=str(e), error=e, compile_seconds=time.perf_counter() - t0)
+        except OSError as e:
+            shutil.rmtree(out_dir, ignore_errors=True)
+            # Writing the entry into the cache's tmp/ failed (a full disk reports ENOSPC
+            # from write(), with no file name): compile again without the disk cache.
+            if tmp is None or (e.filename is not None and not str(e.filename).startswith(str(tmp))):
+                raise
+            disk._degrade("cannot write", e)
+            return self._compile(key, compile_into, None, num_threads, describe)
         except BaseException:
             shutil.rmtree(out_dir, ignore_errors=True)
             raise

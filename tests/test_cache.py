@@ -127,6 +127,24 @@ def test_full_disk_degrades_with_one_warning(tmp_path, monkeypatch):
     assert entries(tmp_path) == []
 
 
+def test_a_disk_that_fills_while_a_piece_is_written_degrades_and_still_compiles(tmp_path, monkeypatch):
+    """ENOSPC from writing the model itself into the cache's tmp/ (not only at the commit)."""
+    import onnx
+
+    real_save = onnx.save
+
+    def no_space(model, f, *args, **kwargs):
+        if str(f).startswith(str(tmp_path)):
+            raise OSError(28, "No space left on device", str(f))
+        return real_save(model, f, *args, **kwargs)
+
+    monkeypatch.setattr(onnx, "save", no_space)
+    with pytest.warns(RuntimeWarning, match="not usable.*No space left on device"), \
+            compilation_counter.expect(num_backend_compilations=3, num_eager_fallbacks=0, num_disk_cache_writes=0):
+        compile_once(tmp_path)  # compares with eager
+    assert entries(tmp_path) == [] and not leftovers(tmp_path)
+
+
 def test_disabled_cache_writes_nothing(tmp_path, monkeypatch):
     compile_once(tmp_path, cache=False)
     assert entries(tmp_path) == []
