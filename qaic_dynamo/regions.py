@@ -196,6 +196,7 @@ class CompiledRegion(nn.Module):
                 compilation_counter.bump(num_guarded_region_calls=1)
                 return compiled_code(*args, **kwargs)
         compilation_counter.bump(num_dynamo_region_calls=1)
+        breaks = self.dispatch.graph_breaks() if self.dispatch is not None else 0
         mark_dynamic_dims(args, kwargs)
         # The collector paused for Dynamo's trace too, not only for the backend: a region
         # compiles here (a warm restart at 32 layers 2.19 -> 1.75 s, docs/benchmarks.md),
@@ -203,7 +204,7 @@ class CompiledRegion(nn.Module):
         with region_config(), collector_paused():
             out = self._compiled(*args, **kwargs)
         if self.dispatch is not None:
-            self.dispatch.after_dynamo()
+            self.dispatch.after_dynamo(breaks)
         return out
 
     def __getattr__(self, name: str) -> Any:
@@ -243,6 +244,7 @@ class DynamoInternals:
     * ``torch._dynamo.eval_frame._stance`` (what ``torch.compiler.set_stance`` set) and
       ``innermost_backend`` (the backend a compiled module's callback carries, as Dynamo
       matches it against an entry's);
+    * ``torch._dynamo.utils.counters["graph_break"]`` (graph breaks counted by reason);
     * torch.nn's global module hooks (``_global_forward_hooks`` and the like): with any
       hook set the block goes through Dynamo, which runs them;
     * the ``_TorchDynamoContext`` behind what ``torch.compile`` returned
@@ -254,6 +256,7 @@ class DynamoInternals:
     eval_frame: Any
     innermost_backend: Callable[[Any], Any]
     global_hooks: tuple[dict, ...]
+    counters: Any
 
     @staticmethod
     def context_of(compiled: Any) -> Any:
@@ -276,14 +279,17 @@ def dynamo_internals() -> DynamoInternals | None:
 
     def probe() -> str | None:
         import torch._dynamo.eval_frame as eval_frame
+        import torch._dynamo.utils as dynamo_utils
         import torch.nn.modules.module as nn_module
         from torch._C._dynamo.eval_frame import _get_cache_entries_for_region
 
         found.update(cache_entries=_get_cache_entries_for_region, eval_frame=eval_frame,
-                     innermost_backend=eval_frame.innermost_backend,
+                     innermost_backend=eval_frame.innermost_backend, counters=dynamo_utils.counters,
                      global_hooks=tuple(getattr(nn_module, name) for name in (
                          "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                          "_global_backward_pre_hooks", "_global_forward_hooks_always_called")))
+        if not isinstance(dynamo_utils.counters.get("graph_break", {}), dict):
+            return "torch._dynamo.utils.counters['graph_break'] is not a dict of counts"
         if not all(hasattr(eval_frame._stance, a) for a in ("stance", "backend", "skip_guard_eval_unsafe")):
             return "torch._dynamo's stance lacks stance/backend/skip_guard_eval_unsafe"
         try:  # nothing is traced until the compiled function is called
@@ -297,8 +303,9 @@ def dynamo_internals() -> DynamoInternals | None:
     return DynamoInternals(**found)
 
 
-#: Code objects Dynamo has marked skipped, as :meth:`GuardedDispatch.after_dynamo` infers:
-#: the mark is the code object's (Dynamo's frame state), shared by every region running it.
+#: Code objects whose calls all go through Dynamo, as :meth:`GuardedDispatch.after_dynamo`
+#: infers: ones Dynamo has marked skipped (the mark is the code object's, Dynamo's frame
+#: state, shared by every region running it), and ones whose compile broke the graph.
 DYNAMO_SKIPPED: weakref.WeakSet[types.CodeType] = weakref.WeakSet()
 
 
@@ -323,7 +330,8 @@ class GuardedDispatch:
     * no entry, or no entry of this backend whose guards pass (Dynamo then recompiles,
       or falls back, as it would have);
     * an entry whose code resumes after a graph break: its resume functions are compiled
-      only when Dynamo's callback is set.
+      only when Dynamo's callback is set; and any code whose compile broke a graph
+      (:meth:`after_dynamo`).
 
     A miss that Dynamo skips - Dynamo disabled, a ``TorchDispatchMode`` active (both
     tested) - marks the code object skipped: Dynamo runs it eagerly from then on, hits
@@ -423,14 +431,27 @@ class GuardedDispatch:
         self._backend_matches[id(backend)] = (backend, same)
         return same
 
-    def after_dynamo(self) -> None:
-        """Called after a call that :meth:`lookup` sent to Dynamo. If it went there on a
-        miss and Dynamo added no cache entry, Dynamo did not compile the frame and has
-        marked the code object skipped (every later call eager, hits included): from now
-        on every call of that code - every block of the class - goes to Dynamo, until the
-        entries are cleared."""
+    def graph_breaks(self) -> int:
+        """Dynamo's count of graph breaks so far (all frames, all reasons)."""
+        return sum(self._internals.counters.get("graph_break", {}).values())
+
+    def after_dynamo(self, graph_breaks_before: int = -1) -> None:
+        """Called after a call that :meth:`lookup` sent to Dynamo, with
+        :meth:`graph_breaks` from before it. From then on every call of the code - every
+        block of the class - goes to Dynamo, until the entries are cleared, if
+
+        * it went there on a miss and Dynamo added no cache entry: Dynamo did not compile
+          the frame and has marked the code object skipped (every later call eager, hits
+          included);
+        * Dynamo broke a graph meanwhile: an entry that breaks the graph at a call before
+          ``return`` has no resume function, its code makes that call itself, and only with
+          Dynamo's callback set (Dynamo's path) is the callee compiled. Any graph break
+          counts, a nested frame's or another thread's too: such a region is slower, never
+          different."""
         missed, self._thread.miss = getattr(self._thread, "miss", None), None
         if missed is not None and len(self._internals.cache_entries(self.code, self.isolate_recompiles_id)) <= missed:
+            DYNAMO_SKIPPED.add(self.code)
+        elif graph_breaks_before >= 0 and self.graph_breaks() > graph_breaks_before:
             DYNAMO_SKIPPED.add(self.code)
 
     def _frame_locals(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any] | None:

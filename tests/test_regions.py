@@ -466,6 +466,50 @@ def test_a_code_object_dynamo_skipped_runs_eagerly_in_both_dispatches(dispatch, 
         assert len(piece_runs) == 1 + 2
 
 
+class BreaksInSub(nn.Module):
+    def __init__(self, width=8):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return self.lin(x)
+
+
+class TailCallBlock(nn.Module):
+    """A block whose graph breaks at the call it returns: Dynamo's entry for ``forward``
+    has no resume function and calls ``sub`` itself."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.sub = BreaksInSub(width)
+
+    def forward(self, x):
+        return self.sub(self.proj(x))
+
+
+@pytest.mark.parametrize("dispatch", ["guarded", "dynamo"])
+def test_a_block_whose_graph_breaks_at_its_return_call_compiles_the_callee_in_both_dispatches(
+        dispatch, piece_runs):
+    model = Stack(3)
+    model.layers = nn.ModuleList(TailCallBlock() for _ in range(3))
+    import copy
+
+    ref = copy.deepcopy(model)
+    qaic_dynamo.compile(model, region_dispatch=dispatch)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        model(x)
+        model(x)
+        piece_runs.clear()
+        with compilation_counter.expect(num_graphs_seen=0):
+            torch.testing.assert_close(model(x), ref(x))
+    # inp, then per layer the graph up to the break and sub's own: run with the callback
+    # set, as Dynamo does, not eagerly
+    assert len(piece_runs) == 1 + 3 * 2
+
+
 def test_forward_defaults_changed_in_place_and_a_replaced_code_are_seen():
     """The frame binds the function's current defaults and runs its current code: a
     keyword default changed in place fails the old guards (Dynamo recompiles), and a
