@@ -409,7 +409,8 @@ class GuardedDispatch:
             return None
         entries = internals.cache_entries(self.code, self.isolate_recompiles_id)
         for entry in entries:
-            if not self._same_backend(entry.backend):
+            # An entry Dynamo invalidated keeps a guard manager that passes, and no backend.
+            if entry.backend is None or not self._same_backend(entry.backend):
                 continue
             if entry.guard_manager.check(f_locals):
                 return self._function(entry.code)
