@@ -45,6 +45,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import enum
+import errno
 import hashlib
 import json
 import logging
@@ -198,7 +199,9 @@ class CompileCache:
             shutil.rmtree(out_dir, ignore_errors=True)
             # Writing the entry into the cache's tmp/ failed (a full disk reports ENOSPC
             # from write(), with no file name): compile again without the disk cache.
-            if tmp is None or (e.filename is not None and not str(e.filename).startswith(str(tmp))):
+            # Any other OSError (a compiler subprocess's, say) is the compile's own.
+            in_tmp = e.filename is not None and str(e.filename).startswith(str(tmp))
+            if tmp is None or not (in_tmp or (e.filename is None and e.errno in _DISK_FULL)):
                 raise
             disk._degrade("cannot write", e)
             return self._compile(key, compile_into, None, num_threads, describe)
@@ -274,6 +277,10 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+#: errno values of a filesystem that cannot take more data.
+_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
 
 
 def _entry_files(path: Path) -> list[Path]:

@@ -207,7 +207,7 @@ def _module_key(mod: torch.nn.Module, canon: CanonicalNames, prefix: str) -> dic
     return {"module": f"{type(mod).__module__}.{type(mod).__qualname__}", "repr": repr(mod), "state": state}
 
 
-def _target(node: fx.Node, gm: fx.GraphModule, canon: CanonicalNames, prefix: str) -> Any:
+def _target(node: fx.Node, gm: fx.GraphModule, canon: CanonicalNames) -> Any:
     if node.op == "call_function":
         if node.target is operator.getitem:
             return "getitem"
@@ -220,16 +220,17 @@ def _target(node: fx.Node, gm: fx.GraphModule, canon: CanonicalNames, prefix: st
             return {"get_attr": _tensor_digest(attr)}
         if isinstance(attr, torch.nn.Module):
             # Not by name: two cond branches differing in one constant are two functions.
-            return {"get_attr": _module_key(attr, canon, f"{prefix}{node.target}.")}
+            return {"get_attr": _module_key(attr, canon, f"{canon.nodes[node]}.")}  # by position, not name
         return {"get_attr": canon.value(attr)}
     if node.op == "call_module":
-        return _module_key(operator.attrgetter(node.target)(gm), canon, f"{prefix}{node.target}.")
+        return _module_key(operator.attrgetter(node.target)(gm), canon, f"{canon.nodes[node]}.")
     return node.op
 
 
 def _graph_body(gm: fx.GraphModule, canon: CanonicalNames, prefix: str = "") -> list[Any]:
     """Every node of ``gm`` but its placeholders (named by the caller), in order, with
-    nodes referred to by position; nested graph modules under ``prefix``."""
+    nodes referred to by position; a nested graph module's nodes are named under the
+    canonical name of the node that refers to it."""
     body: list[Any] = []
     for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
         canon.nodes.setdefault(node, f"{prefix}in{i}")
@@ -238,7 +239,7 @@ def _graph_body(gm: fx.GraphModule, canon: CanonicalNames, prefix: str = "") -> 
             continue
         canon.nodes[node] = f"{prefix}n{len(body)}"
         body.append(
-            [node.op, _target(node, gm, canon, prefix), canon.value(tuple(node.args)), canon.value(dict(node.kwargs))]
+            [node.op, _target(node, gm, canon), canon.value(tuple(node.args)), canon.value(dict(node.kwargs))]
         )
     return body
 

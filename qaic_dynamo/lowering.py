@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 import logging
 import operator
@@ -305,28 +306,53 @@ _INPLACE_OPERATORS = frozenset({
     operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
     operator.imatmul,
 })
+_INPLACE_DUNDERS = frozenset(f"__i{op}__" for op in (
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift", "matmul"))
+#: Flags that make a function write: ``F.relu(x, True)``, ``F.batch_norm(..., training=True)``
+#: (its running statistics), ``F.instance_norm(..., use_input_stats=True)``.
+_WRITE_FLAGS = ("inplace", "training", "use_input_stats")
 
 
-def written_tensor(node: fx.Node) -> Any:
-    """The argument a Dynamo-graph node writes in place (``x.add_(y)``, ``x[i] = v``,
-    ``x += y``, ``torch.relu_(x)``, ``out=``, ``inplace=True``, a mutable op), or None."""
+@functools.cache
+def _param_positions(target: Any, names: tuple[str, ...]) -> dict[str, int]:
+    """Positions of ``names`` among ``target``'s parameters (none without a Python signature)."""
+    try:
+        params = list(inspect.signature(target).parameters)
+    except (TypeError, ValueError):
+        return {}
+    return {n: params.index(n) for n in names if n in params}
+
+
+def _argument(node: fx.Node, name: str, position: int | None) -> Any:
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return node.args[position] if position is not None and position < len(node.args) else None
+
+
+def written_tensors(node: fx.Node) -> list[Any]:
+    """The arguments a Dynamo-graph node writes in place (``x.add_(y)``, ``x[i] = v``,
+    ``x += y``, ``torch.relu_(x)``, ``out=``, ``inplace=True`` by keyword or position, a
+    batch norm's running statistics in training, a mutable op), or []."""
+    target, args = node.target, node.args
     if node.op == "call_method":
-        name = node.target
-        return node.args[0] if name.endswith("_") and not name.endswith("__") and node.args else None
+        writes = (target.endswith("_") and not target.endswith("__")) or target in _INPLACE_DUNDERS
+        return [args[0]] if writes and args else []
     if node.op != "call_function":
-        return None
-    target = node.target
+        return []
     if node.kwargs.get("out") is not None:
-        return node.kwargs["out"]
-    if target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
-        return node.args[0] if node.args else None
+        return [node.kwargs["out"]]
     if isinstance(target, torch._ops.OpOverload):
-        for i, a in enumerate(target._schema.arguments):
-            if a.alias_info is not None and a.alias_info.is_write:
-                return node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
-        return None
+        return [args[i] if i < len(args) else node.kwargs.get(a.name)
+                for i, a in enumerate(target._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
     name = getattr(target, "__name__", "")
-    return node.args[0] if name.endswith("_") and not name.endswith("__") and node.args else None
+    if target in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS:
+        return [args[0]] if args else []
+    flags = _param_positions(target, _WRITE_FLAGS + ("running_mean", "running_var"))
+    if _argument(node, "inplace", flags.get("inplace")) is True:
+        return [args[0]] if args else [node.kwargs.get("input")]
+    if any(_argument(node, f, flags.get(f)) is True for f in ("training", "use_input_stats")):
+        return [_argument(node, n, flags.get(n)) for n in ("running_mean", "running_var")]
+    return []
 
 
 def refuse_input_writes(rw: _Rewrite) -> None:
@@ -342,16 +368,19 @@ def refuse_input_writes(rw: _Rewrite) -> None:
         if isinstance(val, torch.Tensor):
             inputs.setdefault(StorageWeakRef(val.untyped_storage()), (i, rw.orig_of[ph].name))
     for node in rw.graph.nodes:
-        written = written_tensor(node)
-        val = rw.orig_of[written].meta.get("val") if isinstance(written, fx.Node) and written in rw.orig_of else None
-        if isinstance(val, torch.Tensor) and (hit := inputs.get(StorageWeakRef(val.untyped_storage()))) is not None:
-            origin = rw.orig_of[node]
-            raise LoweringError(
-                f"{origin.name} ({origin.op} {getattr(origin.target, '__name__', origin.target)}) writes in place into "
-                f"piece input {hit[0]} ('{hit[1]}'), and an artifact cannot write its inputs. "
-                "To compile it, return the new value instead of writing it in place (KV caches: "
-                "qaic::unified_kv_cache_update)"
-            )
+        for written in written_tensors(node):
+            val = rw.orig_of[written].meta.get("val") if isinstance(written, fx.Node) and written in rw.orig_of else None
+            hit = inputs.get(StorageWeakRef(val.untyped_storage())) if isinstance(val, torch.Tensor) else None
+            if hit is not None:
+                raise _input_write_error(rw.orig_of[node], *hit)
+
+
+def _input_write_error(node: fx.Node, index: int, name: str) -> LoweringError:
+    return LoweringError(
+        f"{node.name} ({node.op} {getattr(node.target, '__name__', node.target)}) writes in place into piece input "
+        f"{index} ('{name}'), and an artifact cannot write its inputs. To compile it, return the new value instead "
+        "of writing it in place (KV caches: qaic::unified_kv_cache_update)"
+    )
 
 
 def export_inputs(rw: _Rewrite) -> tuple[list[torch.Tensor], list[dict[int, Any] | None], list[dict[str, Any]]]:
@@ -404,7 +433,7 @@ def prepare(gm: fx.GraphModule, example_args: Sequence[Any], fake_mode: Any) -> 
     refuse_input_writes(rw)
     # A piece's dead code (Dynamo keeps it) must not reach ONNX; an in-place write whose
     # result nothing reads is not dead (fx's own test calls ``x.add_(1)`` pure).
-    g.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or written_tensor(n) is not None)
+    g.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or bool(written_tensors(n)))
     g.lint()
     example, dynamic, inputs = export_inputs(rw)
     layout = PieceLayout(
@@ -982,6 +1011,23 @@ def _is_mutation(node: fx.Node) -> bool:
     return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
 
 
+def refuse_aten_input_writes(gm: fx.GraphModule) -> None:
+    """The aten-level twin of :func:`refuse_input_writes`, for a write the Dynamo-graph
+    check did not recognise: every mutable op's written arguments, by the op's schema, must
+    not alias an input (functionalising would turn such a write into a copy nobody reads)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    inputs = {StorageWeakRef(n.meta["val"].untyped_storage()): (i, n.name)
+              for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
+              if isinstance(n.meta.get("val"), torch.Tensor)}
+    for node in gm.graph.nodes:
+        for written in written_tensors(node) if _is_mutation(node) else ():
+            val = written.meta.get("val") if isinstance(written, fx.Node) else None
+            hit = inputs.get(StorageWeakRef(val.untyped_storage())) if isinstance(val, torch.Tensor) else None
+            if hit is not None:
+                raise _input_write_error(node, *hit)
+
+
 def aten_graph(
     fn: Any, example: Sequence[torch.Tensor], dynamic_shapes: Sequence[dict[int, Any] | None], opset: int
 ) -> fx.GraphModule:
@@ -1003,6 +1049,7 @@ def aten_graph(
         # A few decompositions (rms_norm's) write in place; ONNX has no mutation. The
         # second trace is of an aten graph with no decompositions left, so it is cheap.
         if any(_is_mutation(n) for n in gm.graph.nodes):
+            refuse_aten_input_writes(gm)
             # Through an Interpreter, so node annotations (preserve_node_meta) carry over.
             first = gm
             gm = make_fx(torch.func.functionalize(lambda *a: fx.Interpreter(first).run(*a), remove="mutations"),

@@ -244,7 +244,8 @@ class DynamoInternals:
     * ``torch._dynamo.eval_frame._stance`` (what ``torch.compiler.set_stance`` set) and
       ``innermost_backend`` (the backend a compiled module's callback carries, as Dynamo
       matches it against an entry's);
-    * ``torch._dynamo.utils.counters["graph_break"]`` (graph breaks counted by reason);
+    * ``torch._dynamo.utils.graph_break_reasons`` (one entry per graph break Dynamo made,
+      a break at a call or at an instruction it cannot trace; ``reset()`` clears it);
     * torch.nn's global module hooks (``_global_forward_hooks`` and the like): with any
       hook set the block goes through Dynamo, which runs them;
     * the ``_TorchDynamoContext`` behind what ``torch.compile`` returned
@@ -256,7 +257,7 @@ class DynamoInternals:
     eval_frame: Any
     innermost_backend: Callable[[Any], Any]
     global_hooks: tuple[dict, ...]
-    counters: Any
+    graph_break_reasons: list
 
     @staticmethod
     def context_of(compiled: Any) -> Any:
@@ -284,12 +285,13 @@ def dynamo_internals() -> DynamoInternals | None:
         from torch._C._dynamo.eval_frame import _get_cache_entries_for_region
 
         found.update(cache_entries=_get_cache_entries_for_region, eval_frame=eval_frame,
-                     innermost_backend=eval_frame.innermost_backend, counters=dynamo_utils.counters,
+                     innermost_backend=eval_frame.innermost_backend,
+                     graph_break_reasons=dynamo_utils.graph_break_reasons,
                      global_hooks=tuple(getattr(nn_module, name) for name in (
                          "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                          "_global_backward_pre_hooks", "_global_forward_hooks_always_called")))
-        if not isinstance(dynamo_utils.counters.get("graph_break", {}), dict):
-            return "torch._dynamo.utils.counters['graph_break'] is not a dict of counts"
+        if not isinstance(getattr(dynamo_utils, "graph_break_reasons", None), list):
+            return "torch._dynamo.utils.graph_break_reasons is not a list"
         if not all(hasattr(eval_frame._stance, a) for a in ("stance", "backend", "skip_guard_eval_unsafe")):
             return "torch._dynamo's stance lacks stance/backend/skip_guard_eval_unsafe"
         try:  # nothing is traced until the compiled function is called
@@ -433,8 +435,8 @@ class GuardedDispatch:
         return same
 
     def graph_breaks(self) -> int:
-        """Dynamo's count of graph breaks so far (all frames, all reasons)."""
-        return sum(self._internals.counters.get("graph_break", {}).values())
+        """How many graph breaks Dynamo has made so far (all frames, all kinds)."""
+        return len(self._internals.graph_break_reasons)
 
     def after_dynamo(self, graph_breaks_before: int = -1) -> None:
         """Called after a call that :meth:`lookup` sent to Dynamo, with
@@ -445,8 +447,9 @@ class GuardedDispatch:
           the frame and has marked the code object skipped (every later call eager, hits
           included);
         * Dynamo broke a graph meanwhile: an entry that breaks the graph at a call before
-          ``return`` has no resume function, its code makes that call itself, and only with
-          Dynamo's callback set (Dynamo's path) is the callee compiled. Any graph break
+          ``return``, or at an instruction it cannot trace, may have no resume function; its
+          code then runs the rest of the frame itself, and only with Dynamo's callback set
+          (Dynamo's path) are the calls in it compiled. Any graph break
           counts, a nested frame's or another thread's too: such a region is slower, never
           different."""
         missed, self._thread.miss = getattr(self._thread, "miss", None), None

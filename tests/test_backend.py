@@ -276,11 +276,29 @@ class WritesItsBuffer(nn.Module):
 
 
 class WritesATemporary(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.act = nn.LeakyReLU(0.1, inplace=True)  # calls F.leaky_relu(y, 0.1, True): the flag positional
+
     def forward(self, x):
         y = x * 2.0
         y.add_(1.0)  # in place on an intermediate, result unused: must not be dropped
         y.relu_()
+        y = y - 3.0
+        self.act(y)
         return y
+
+
+class TrainsABatchNorm(nn.Module):
+    """A training-mode batch norm: the call itself updates the running statistics."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(8))
+        self.register_buffer("var", torch.ones(8))
+
+    def forward(self, x):
+        return F.batch_norm(x, self.mean, self.var, training=True) * 2.0
 
 
 def test_a_piece_that_writes_its_inputs_runs_eagerly_and_keeps_the_writes():
@@ -297,6 +315,31 @@ def test_a_piece_that_writes_its_inputs_runs_eagerly_and_keeps_the_writes():
     torch.testing.assert_close(model.steps, ref.steps)  # so did the buffer's (1, not 0)
     with pytest.raises(Exception, match="writes in place into piece input.*return the new value"):
         torch.compile(WritesItsBuffer(), backend="qaic", options={"fallback": "error"})(torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("module", [nn.LeakyReLU(0.1, inplace=True), nn.ReLU6(inplace=True), TrainsABatchNorm()],
+                         ids=["positional-inplace", "hardtanh-inplace", "batch-norm-running-stats"])
+def test_writes_spelled_by_flags_are_refused_too(module):
+    import copy
+
+    ref, x = copy.deepcopy(module), torch.randn(4, 8)
+    x_ref = x.clone()
+    with pytest.warns(RuntimeWarning, match="writes in place into piece input"), torch.no_grad():
+        out = torch.compile(module, backend="qaic")(x)
+    torch.testing.assert_close(out, ref(x_ref))
+    torch.testing.assert_close(x, x_ref)
+    torch.testing.assert_close(module.state_dict(), ref.state_dict())
+
+
+def test_an_input_write_only_the_aten_trace_shows_is_refused():
+    from qaic_dynamo.lowering import LoweringError, aten_graph
+
+    def writes(x):
+        torch.ops.aten.add_.Tensor(x, x)
+        return x * 2
+
+    with pytest.raises(LoweringError, match="writes in place into piece input 0"):
+        aten_graph(writes, [torch.zeros(17, 4)], [{0: torch.export.Dim.DYNAMIC}], 18)
 
 
 def test_in_place_ops_on_intermediates_are_lowered_not_dropped():

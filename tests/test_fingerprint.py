@@ -107,6 +107,23 @@ def test_names_do_not_matter():
     assert key_of(cond_times2, X, W).key == key_of(cond_times2_renamed, X, W).key  # branches keyed by structure
 
 
+def test_a_branch_is_keyed_by_its_position_not_its_attribute_name():
+    """In a whole-model graph layer 3's cond branches are ``cond_true_3``: its pieces must
+    share layer 2's key."""
+    graphs = []
+    torch._dynamo.reset()
+    torch.compile(cond_times2, backend=lambda gm, ex: graphs.append(gm) or gm.forward, fullgraph=True)(X, W)
+    (gm,) = graphs
+    values = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+    before = fingerprint(gm, values, "cfg").key
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target.startswith("cond_"):
+            setattr(gm, node.target + "_renamed", getattr(gm, node.target))
+            node.target += "_renamed"
+    gm.recompile()
+    assert fingerprint(gm, values, "cfg").key == before
+
+
 def test_inputs_metadata_matters_but_values_do_not():
     base = key_of(norm_eps5, X, W).key
     assert key_of(norm_eps5, torch.randn(4, 8), torch.randn(8)).key == base  # other values

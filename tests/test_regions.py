@@ -476,24 +476,39 @@ class BreaksInSub(nn.Module):
         return self.lin(x)
 
 
-class TailCallBlock(nn.Module):
-    """A block whose graph breaks at the call it returns: Dynamo's entry for ``forward``
-    has no resume function and calls ``sub`` itself."""
-
+class PlainSub(nn.Module):
     def __init__(self, width=8):
         super().__init__()
-        self.proj = nn.Linear(width, width)
-        self.sub = BreaksInSub(width)
+        self.lin = nn.Linear(width, width)
 
     def forward(self, x):
-        return self.sub(self.proj(x))
+        return torch.relu(self.lin(x))
 
 
+class TailCallBlock(nn.Module):
+    """A block whose graph breaks at the call it returns, or at an instruction Dynamo cannot
+    trace just before it: Dynamo's entry for ``forward`` has no resume function and runs
+    the rest of the frame, ``sub``'s call included, itself."""
+
+    def __init__(self, width=8, step_break=False):
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.sub = PlainSub(width) if step_break else BreaksInSub(width)
+        self.step_break = step_break
+
+    def forward(self, x):
+        h = self.proj(x) * 2
+        if self.step_break:
+            torch._dynamo.step_unsupported()
+        return self.sub(h)
+
+
+@pytest.mark.parametrize("step_break", [False, True], ids=["at-call", "at-instruction"])
 @pytest.mark.parametrize("dispatch", ["guarded", "dynamo"])
 def test_a_block_whose_graph_breaks_at_its_return_call_compiles_the_callee_in_both_dispatches(
-        dispatch, piece_runs):
+        dispatch, step_break, piece_runs):
     model = Stack(3)
-    model.layers = nn.ModuleList(TailCallBlock() for _ in range(3))
+    model.layers = nn.ModuleList(TailCallBlock(step_break=step_break) for _ in range(3))
     import copy
 
     ref = copy.deepcopy(model)
@@ -505,8 +520,8 @@ def test_a_block_whose_graph_breaks_at_its_return_call_compiles_the_callee_in_bo
         piece_runs.clear()
         with compilation_counter.expect(num_graphs_seen=0):
             torch.testing.assert_close(model(x), ref(x))
-    # inp, then per layer the graph up to the break and sub's own: run with the callback
-    # set, as Dynamo does, not eagerly
+    # inp, then per layer the graph up to the break and sub's own (its resume function's
+    # graph, or its whole forward): run with the callback set, as Dynamo does, not eagerly
     assert len(piece_runs) == 1 + 3 * 2
 
 
