@@ -235,3 +235,16 @@ def _check_op_name(name: str) -> None:
             f"qaic option 'splitting_ops': {name!r} is not a registered op; use "
             f"'namespace::name', e.g. {list(DEFAULT_SPLITTING_OPS) + ['aten::scaled_dot_product_attention']}"
         )
+    for overload in packet.overloads():
+        # Keyword-only written arguments are the ``out=`` variants every aten op has; the
+        # op itself is functional.
+        written = [a.name for a in getattr(packet, overload)._schema.arguments
+                   if a.alias_info is not None and a.alias_info.is_write and not a.kwarg_only]
+        if written:
+            # A piece's outputs are the artifact's own tensors, not views of its inputs or
+            # of each other: a write into one would not reach the tensor it was cut from.
+            raise ConfigError(
+                f"qaic option 'splitting_ops': {name!r} writes its argument(s) {written} in place; a splitting op "
+                "must return its result (e.g. attention that returns its output rather than filling an 'output' "
+                "argument)"
+            )

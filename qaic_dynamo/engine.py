@@ -255,7 +255,7 @@ class LLM:
         for i, (p, max_new_tokens) in enumerate(zip(prompts, max_tokens)):
             if len(p) == 0:
                 raise ValueError(f"generate: prompt {i} is empty; every prompt needs at least one token")
-            bad = [t for t in p if not isinstance(t, int) or not 0 <= t < vocab]
+            bad = [t for t in p if not 0 <= t < vocab]
             if bad:
                 raise ValueError(
                     f"generate: prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
@@ -278,7 +278,8 @@ class LLM:
 
     # -- generation -----------------------------------------------------------------------
     def generate(self, prompts: Sequence[Any], params: Any = 16) -> Any:
-        """Generate for every prompt (token-id lists, or strings with a tokenizer).
+        """Generate for every prompt (token-id lists, or strings with a tokenizer); one
+        prompt alone (a string, or a flat list of token ids) is a batch of one.
 
         ``params`` an int ``n``: greedy, exactly ``n`` new tokens each, returned as token-id
         lists (no EOS stop). ``params`` a ``SamplingParams`` (or one per prompt): returns
@@ -286,6 +287,7 @@ class LLM:
         """
         from qaic_dynamo.sampling import SamplingParams
 
+        prompts = prompt_list(prompts)
         if isinstance(params, int) and not isinstance(params, bool):
             return [o.token_ids for o in self.generate_outputs(prompts, params)]
         per = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
@@ -305,6 +307,7 @@ class LLM:
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"generate: max_new_tokens must be a positive int, got {max_new_tokens!r}")
         greedy = SamplingParams(max_tokens=max_new_tokens, temperature=0, ignore_eos=True)
+        prompts = prompt_list(prompts)
         return self._generate(prompts, [greedy] * len(prompts), return_logits)
 
     def _token_ids(self, prompts: Sequence[Any]) -> list[list[int]]:
@@ -318,8 +321,15 @@ class LLM:
                         "holds tokenizer files"
                     )
                 out.append(list(self.tokenizer.encode(p)))
+            elif isinstance(p, (list, tuple)):
+                bad = [t for t in p if not _is_token_id(t)]
+                if bad:
+                    raise TypeError(f"generate: prompt {i} has token ids that are not integers: {bad[:5]}")
+                out.append([int(t) for t in p])
             else:
-                out.append(list(p))
+                raise TypeError(
+                    f"generate: prompt {i} is a {type(p).__name__}; a prompt is a list of token ids or a string"
+                )
         return out
 
     @torch.no_grad()
@@ -417,6 +427,30 @@ class LLM:
         with torch.no_grad(), set_forward_context(md, self.kv_caches, self.kv_cache_layers):
             logits = self._fn(input_ids, pos, logits_indices)
         return logits[: len(requests)]
+
+
+def _is_token_id(t: Any) -> bool:
+    """An integer (Python, numpy or a 0-d integer tensor), not a bool."""
+    if isinstance(t, torch.Tensor):
+        return t.dim() == 0 and not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool
+    return hasattr(t, "__index__") and not isinstance(t, (bool, str, bytes)) and type(t).__name__ != "bool_"
+
+
+def prompt_list(prompts: Any) -> list[Any]:
+    """``generate``'s prompts as a list: a single prompt - one string, or one flat list of
+    token ids (as vLLM takes them) - becomes a list of one; tensors and arrays become lists."""
+    if hasattr(prompts, "tolist") and not isinstance(prompts, (str, list, tuple)):
+        prompts = prompts.tolist()
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(
+            f"generate: prompts must be a list of prompts (token-id lists or strings), got {type(prompts).__name__}"
+        )
+    prompts = [p.tolist() if hasattr(p, "tolist") and not isinstance(p, (str, list, tuple)) else p for p in prompts]
+    if prompts and all(_is_token_id(t) for t in prompts):
+        return [list(prompts)]
+    return prompts
 
 
 def _load_tokenizer(model: Any, tokenizer: Any) -> Any:

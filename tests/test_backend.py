@@ -357,7 +357,14 @@ def test_unknown_option_lists_valid_keys():
         CompilationConfig.from_options({"splitting_op": []})
 
 
+@torch.library.custom_op("qaic_test::fill_into", mutates_args=("out",))
+def fill_into(x: torch.Tensor, out: torch.Tensor) -> None:
+    """An attention-like op that writes its result into ``out`` (vLLM's ``*_with_output`` style)."""
+    out.copy_(x.reshape(out.shape))
+
+
 @pytest.mark.parametrize("options, message", [
+    ({"splitting_ops": ["qaic_test::fill_into"]}, "'qaic_test::fill_into' writes its argument(s) ['out'] in place"),
     ({"runtime": "tensorrt"}, "'runtime' must be one of ['onnxruntime', 'qaic']"),
     ({"fallback": "ignore"}, "'fallback' must be one of ['eager', 'error']"),
     ({"opset": 11}, "'opset' must be one of [18, 19, 20, 21, 22, 23]"),

@@ -107,6 +107,34 @@ def test_bad_input_is_rejected(call, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda llm: llm.generate([[1, True, 2]]), "prompt 0 has token ids that are not integers: [True]"),
+        (lambda llm: llm.generate([[1, 2.5]]), "prompt 0 has token ids that are not integers: [2.5]"),
+        (lambda llm: llm.generate([[1], 7]), "prompt 1 is a int; a prompt is a list of token ids or a string"),
+        (lambda llm: llm.generate({1: 2}), "prompts must be a list of prompts"),
+    ],
+)
+def test_prompts_that_are_not_token_ids_are_a_type_error(call, message):
+    llm = LLM(reference("llama", 2), backend="eager", max_num_seqs=4, max_model_len=64)
+    with pytest.raises(TypeError) as e:
+        call(llm)
+    assert message in str(e.value)
+
+
+def test_one_prompt_may_be_given_alone_and_ids_may_be_numpy_or_torch():
+    import numpy as np
+
+    llm = LLM(reference("llama", 2), backend="eager", max_num_seqs=4, max_model_len=64)
+    want = llm.generate([[1, 2, 3]], 2)
+    assert len(want) == 1
+    assert llm.generate([1, 2, 3], 2) == want  # a flat list is one prompt (as vLLM takes it), not three
+    assert llm.generate(torch.tensor([1, 2, 3]), 2) == want
+    assert llm.generate([np.array([1, 2, 3])], 2) == want
+    assert llm.generate([[np.int64(1), torch.tensor(2), 3]], 2) == want
+
+
 def test_a_request_larger_than_the_cache_is_rejected():
     llm = LLM(reference("llama", 2), backend="eager", max_model_len=64, block_size=4, num_blocks=3)
     with pytest.raises(ValueError, match="needs 4 KV blocks of 4 tokens but the cache has only 3"):

@@ -76,6 +76,9 @@ def test_text_in_text_out_with_a_local_tokenizer(model_dir):
     for o in out:
         assert o.text == llm.tokenizer.decode(o.token_ids, skip_special_tokens=True) and isinstance(o.text, str)
         assert o.finish_reason == "length"
+    # One string alone is one prompt (as vLLM takes it), not one prompt per character.
+    (alone,) = llm.generate("w1 w2 w3", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert alone.prompt_token_ids == ids[0] and alone.token_ids == out[0].token_ids
 
 
 def test_a_text_prompt_without_a_tokenizer_says_how_to_fix_it():
