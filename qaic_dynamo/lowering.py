@@ -360,19 +360,27 @@ def refuse_input_writes(rw: _Rewrite) -> None:
     ``qaic::unified_kv_cache_update``): a piece that writes an input, or a view of one, in
     place - a buffer's ``add_``, a cache of the model's own filled with ``index_copy_`` -
     is refused, so it runs eagerly instead of losing the write."""
+    orig = rw.orig_of
+    _refuse_writes(
+        [(orig[ph].name, orig[ph].meta.get("val")) for ph in rw.placeholders],
+        ((orig[node], orig[w].meta.get("val")) for node in rw.graph.nodes for w in written_tensors(node)
+         if isinstance(w, fx.Node) and w in orig),
+    )
+
+
+def _refuse_writes(inputs: list[tuple[str, Any]], writes: Iterable[tuple[fx.Node, Any]]) -> None:
+    """Raise if a written value (node, fake value) shares its storage with an input's
+    (name, fake value): a view of an input shares it too."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    inputs = {}
-    for i, ph in enumerate(rw.placeholders):
-        val = rw.orig_of[ph].meta.get("val")
+    storages: dict[Any, tuple[int, str]] = {}
+    for i, (name, val) in enumerate(inputs):
         if isinstance(val, torch.Tensor):
-            inputs.setdefault(StorageWeakRef(val.untyped_storage()), (i, rw.orig_of[ph].name))
-    for node in rw.graph.nodes:
-        for written in written_tensors(node):
-            val = rw.orig_of[written].meta.get("val") if isinstance(written, fx.Node) and written in rw.orig_of else None
-            hit = inputs.get(StorageWeakRef(val.untyped_storage())) if isinstance(val, torch.Tensor) else None
-            if hit is not None:
-                raise _input_write_error(rw.orig_of[node], *hit)
+            storages.setdefault(StorageWeakRef(val.untyped_storage()), (i, name))
+    for node, val in writes:
+        hit = storages.get(StorageWeakRef(val.untyped_storage())) if isinstance(val, torch.Tensor) else None
+        if hit is not None:
+            raise _input_write_error(node, *hit)
 
 
 def _input_write_error(node: fx.Node, index: int, name: str) -> LoweringError:
@@ -1015,17 +1023,11 @@ def refuse_aten_input_writes(gm: fx.GraphModule) -> None:
     """The aten-level twin of :func:`refuse_input_writes`, for a write the Dynamo-graph
     check did not recognise: every mutable op's written arguments, by the op's schema, must
     not alias an input (functionalising would turn such a write into a copy nobody reads)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    inputs = {StorageWeakRef(n.meta["val"].untyped_storage()): (i, n.name)
-              for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
-              if isinstance(n.meta.get("val"), torch.Tensor)}
-    for node in gm.graph.nodes:
-        for written in written_tensors(node) if _is_mutation(node) else ():
-            val = written.meta.get("val") if isinstance(written, fx.Node) else None
-            hit = inputs.get(StorageWeakRef(val.untyped_storage())) if isinstance(val, torch.Tensor) else None
-            if hit is not None:
-                raise _input_write_error(node, *hit)
+    _refuse_writes(
+        [(n.name, n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"],
+        ((node, w.meta.get("val")) for node in gm.graph.nodes if _is_mutation(node)
+         for w in written_tensors(node) if isinstance(w, fx.Node)),
+    )
 
 
 def aten_graph(
