@@ -53,7 +53,7 @@ import torch
 
 from qaic_dynamo.forward_context import build_attention_metadata, set_forward_context
 
-__all__ = ["LLM", "Request", "RequestOutput"]
+__all__ = ["LLM", "Request", "RequestOutput", "is_token_id", "prompt_list"]
 
 BACKENDS = ("qaic", "eager", "inductor")
 
@@ -322,7 +322,7 @@ class LLM:
                     )
                 out.append(list(self.tokenizer.encode(p)))
             elif isinstance(p, (list, tuple)):
-                bad = [t for t in p if not _is_token_id(t)]
+                bad = [t for t in p if not is_token_id(t)]
                 if bad:
                     raise TypeError(f"generate: prompt {i} has token ids that are not integers: {bad[:5]}")
                 out.append([int(t) for t in p])
@@ -429,7 +429,7 @@ class LLM:
         return logits[: len(requests)]
 
 
-def _is_token_id(t: Any) -> bool:
+def is_token_id(t: Any) -> bool:
     """An integer (Python, numpy or a 0-d integer tensor), not a bool."""
     if isinstance(t, torch.Tensor):
         return t.dim() == 0 and not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool
@@ -448,7 +448,7 @@ def prompt_list(prompts: Any) -> list[Any]:
             f"generate: prompts must be a list of prompts (token-id lists or strings), got {type(prompts).__name__}"
         )
     prompts = [p.tolist() if hasattr(p, "tolist") and not isinstance(p, (str, list, tuple)) else p for p in prompts]
-    if prompts and all(_is_token_id(t) for t in prompts):
+    if prompts and all(is_token_id(t) for t in prompts):
         return [list(prompts)]
     return prompts
 

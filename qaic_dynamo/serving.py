@@ -710,7 +710,12 @@ class DisaggregatedServer:
         if len(prompt) + max_tokens > self.ctx_len:
             raise ValueError(f"DisaggregatedServer: prompt ({len(prompt)} tokens) + max_tokens={max_tokens} would not fit "
                              f"in a slot's ctx_len={self.ctx_len}; shorten it or start the server with a larger ctx_len")
-        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab]
+        from qaic_dynamo.engine import is_token_id
+
+        not_ids = [t for t in prompt if not is_token_id(t)]
+        if not_ids:
+            raise TypeError(f"DisaggregatedServer: token ids that are not integers: {not_ids[:5]}")
+        bad = [t for t in prompt if not 0 <= t < self.vocab]
         if bad:
             raise ValueError(f"DisaggregatedServer: token ids outside the vocabulary [0, {self.vocab}): {bad[:5]}")
 
@@ -729,8 +734,9 @@ class DisaggregatedServer:
         waiting = []
         for p, n in zip(prompts, counts):
             rid = next(self._ids)
-            self.results[rid] = RequestResult(rid, list(p), submitted=time.perf_counter())
-            waiting.append(_Job(rid, list(p), n, tuple(stop_token_ids), -1))
+            ids = [int(t) for t in p]  # numpy or 0-d tensor ids become plain ints here
+            self.results[rid] = RequestResult(rid, ids, submitted=time.perf_counter())
+            waiting.append(_Job(rid, ids, n, tuple(stop_token_ids), -1))
         order = [j.request_id for j in waiting]
         free = list(range(self.cfg["slots"]))
         capacity = self.cfg["stages"] + 1  # prefill holds at most its execution slots

@@ -215,6 +215,8 @@ def test_a_request_that_does_not_fit_is_rejected_before_any_write():
         assert server.results == {}
         with pytest.raises(ValueError, match="outside the vocabulary"):
             server.generate([[999]], 2)
+        with pytest.raises(TypeError, match=r"token ids that are not integers: \[True\]"):
+            server.generate([[True, 5]], 2)  # not served as token 1
 
 
 def test_cli_serves_a_prompt_file(tmp_path, capsys):
