@@ -51,7 +51,7 @@ import re
 import shlex
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,6 +77,7 @@ __all__ = [
     "compile_command",
     "custom_io_yaml",
     "export_for_qaic",
+    "is_kv_retained_state",
     "ort_generate",
     "retained_state_names",
     "specializations",
@@ -839,14 +840,44 @@ def _fill_output_meta(gm: fx.GraphModule) -> None:
 # --- compiler inputs ---------------------------------------------------------------------------
 
 
-def custom_io_yaml(output_names: Sequence[str], precision: str = "float16") -> str:
-    """``custom_io.yaml``: every KV input paired with its ``_RetainedState`` output, at
-    ``precision`` (float16 by default; mxint8 for the KV)."""
+def is_kv_retained_state(name: str) -> bool:
+    """True if ``name`` is a KV retained-state output of the registry's KV updates, with
+    or without a ``kv_cache_prefix`` (``past_key.3_RetainedState``, ``past_key.3_P_RetainedState``)."""
+    m = _KV_OUTPUT_ANY_PREFIX.match(name)
+    return bool(m) and m["stem"] in kv_stems()
+
+
+_KV_OUTPUT_ANY_PREFIX = re.compile(r"^(?P<stem>[A-Za-z_]+)\.(?P<layer>\d+)(_[A-Za-z0-9]+)?" + RETAINED_STATE_SUFFIX + "$")
+
+# ONNX element types the compiler's custom IO can hold at float16 (-convert-to-fp16 makes
+# every float buffer float16 on the device, so fp32, bf16 and fp64 all map to it).
+_FLOAT_ELEM_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
+                               onnx.TensorProto.DOUBLE})
+
+
+def custom_io_yaml(output_names: Sequence[str], precision: str = "float16",
+                   dtypes: Mapping[str, int] | None = None) -> str:
+    """``custom_io.yaml``: every retained-state output paired with its input.
+
+    KV buffers are at ``precision`` (float16 by default; mxint8 is for the KV only).
+    Other retained buffers (``retained_buffers``, e.g. ``vision_embeds``) keep their own
+    precision, from ``dtypes`` (output name -> ONNX element type): float16 for a float
+    buffer, and no entry for an integer or bool one, whose type the compiler keeps."""
     if precision not in KV_PRECISIONS:
         raise ExportError(f"kv_precision must be one of {KV_PRECISIONS}, got {precision!r}")
+    dtypes = dtypes or {}
     lines = []
     for out, inp in align_inputs_to_outputs(output_names).items():
-        lines += [f"- IOName: {inp}", f"  Precision: {precision}", "", f"- IOName: {out}", f"  Precision: {precision}", ""]
+        if is_kv_retained_state(out):
+            p = precision
+        elif out not in dtypes:
+            raise ExportError(f"custom_io_yaml: {out!r} is not a KV buffer and its element type is unknown; "
+                              "pass dtypes={name: onnx element type} for every non-KV retained output")
+        elif dtypes[out] in _FLOAT_ELEM_TYPES:
+            p = "float16"
+        else:
+            continue
+        lines += [f"- IOName: {inp}", f"  Precision: {p}", "", f"- IOName: {out}", f"  Precision: {p}", ""]
     return "\n".join(lines)
 
 
@@ -1091,7 +1122,8 @@ def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int =
 
     inputs = [i.name for i in model_proto.graph.input]  # the weights are initializers by now
     custom_io = export_dir / "custom_io.yaml"
-    custom_io.write_text(custom_io_yaml(outputs, opts.kv_precision))
+    custom_io.write_text(custom_io_yaml(outputs, opts.kv_precision,
+                                        {o.name: o.type.tensor_type.elem_type for o in model_proto.graph.output}))
     specs_path = export_dir / "specializations.json"
     specs = specializations(opts)
     specs_path.write_text(json.dumps(specs, indent=2) + "\n")

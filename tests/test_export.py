@@ -127,6 +127,28 @@ def test_custom_io_pairs_every_kv_input_with_its_output():
         custom_io_yaml(outs, "fp8")
 
 
+def precisions(text: str) -> dict[str, str]:
+    """custom_io.yaml as {IOName: Precision}."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    return {a.split(": ")[1]: b.split(": ")[1] for a, b in zip(lines[::2], lines[1::2], strict=True)}
+
+
+@pytest.mark.parametrize("prefix", [None, "P"])
+def test_custom_io_keeps_non_kv_buffers_at_their_own_precision(prefix):
+    outs = apply_kv_cache_prefix(["logits", *retained_state_names(("past_key", "past_value"), 0)], prefix)
+    outs += ["vision_embeds" + SUFFIX, "step" + SUFFIX]
+    dtypes = {"vision_embeds" + SUFFIX: onnx.TensorProto.FLOAT, "step" + SUFFIX: onnx.TensorProto.INT64}
+    kv = [n for n in outs if n.startswith("past_")]
+    got = precisions(custom_io_yaml(outs, "mxint8", dtypes))
+    # Two KV buffers, each input and output, at the KV precision; the float buffer at
+    # float16 (never mxint8); the int64 one left out: the compiler keeps its type.
+    assert got == {**{n: "mxint8" for n in kv}, **{n[: -len(SUFFIX)]: "mxint8" for n in kv},
+                   "vision_embeds": "float16", "vision_embeds" + SUFFIX: "float16"}
+    with pytest.raises(ExportError, match=r"'vision_embeds_RetainedState' is not a KV buffer and its element type "
+                                          r"is unknown; pass dtypes"):
+        custom_io_yaml(outs, "mxint8")
+
+
 def test_specializations_have_prefill_and_decode():
     specs = specializations(ExportOptions(batch_size=4, prefill_seq_len=16, ctx_len=256))
     assert specs == {"specializations": [
@@ -424,12 +446,15 @@ class VisionEmbeds(nn.Module):
 def test_a_non_kv_retained_buffer_keeps_its_name(layerwise, tmp_path):
     model = llama(4)
     model.embed_tokens = VisionEmbeds(model.embed_tokens)
-    result = export_for_qaic(model, tmp_path, kv_cache_prefix="vllm", layerwise=layerwise,
+    result = export_for_qaic(model, tmp_path, kv_cache_prefix="vllm", layerwise=layerwise, kv_precision="mxint8",
                              retained_buffers=["embed_tokens.vision_embeds"], **SHAPE)
     inputs, outputs = graph_io(result.onnx_path)
     assert "embed_tokens.vision_embeds" in inputs and outputs[-1] == "embed_tokens.vision_embeds" + SUFFIX
     assert all(n.endswith("_vllm") for n in inputs if n.startswith("past_"))
-    assert "embed_tokens.vision_embeds_RetainedState" in result.custom_io_path.read_text()
+    # The KV at mxint8, the vision buffer (float32 in the model) at float16, never mxint8.
+    got = precisions(result.custom_io_path.read_text())
+    assert got.pop("embed_tokens.vision_embeds") == got.pop("embed_tokens.vision_embeds" + SUFFIX) == "float16"
+    assert set(got.values()) == {"mxint8"} and len(got) == 2 * 2 * 4  # (key, value) x (in, out) x 4 layers
     sess = ort.InferenceSession(str(result.onnx_path), providers=["CPUExecutionProvider"])
     shapes = [(i.name, i.shape) for i in sess.get_inputs()[2:] if i.name.startswith("past_")]
     feeds = random_feeds(shapes, batch=2, seq=3, ctx=32)
