@@ -3,9 +3,12 @@ hand-off, the three transports, and the failure behaviour."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -136,6 +139,74 @@ def test_prefill_writes_straight_into_the_decode_slot():
         shared.close()
         shared.unlink()
     assert not shm_segments() & set(shared.segment_names)
+
+
+# Prefill and decode in one process over page-protected buffers: before each request the
+# other slot's pages are made read-only (mprotect), as that slot belongs to another
+# process's run. Any write there, whole-buffer or stray, kills the process with SIGSEGV.
+SLOT_GUARD = """
+import ctypes, json, mmap, sys
+import torch
+from qaic_dynamo.engine import Request
+from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM
+from qaic_dynamo.serving import Session
+
+torch.manual_seed(0)
+model = QaicLlamaForCausalLM(QaicLlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                             num_attention_heads=4, num_key_value_heads=2, vocab_size=256)).eval()
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+backend, control = sys.argv[1], sys.argv[2] == "control"
+prefill = Session(model, "prefill", num_slots=2, ctx_len=256, backend=backend)
+decode = Session(model, "decode", num_slots=2, ctx_len=256, backend=backend)
+maps, bufs = [], {}
+for name, shape in prefill.buffer_shapes.items():
+    maps.append(mmap.mmap(-1, torch.Size(shape).numel() * 4))
+    bufs[name] = torch.frombuffer(maps[-1], dtype=torch.float32).view(shape)
+slot_bytes = bufs["past_key.0"][0].numel() * 4
+assert slot_bytes % mmap.PAGESIZE == 0, slot_bytes
+
+def read_only(slot, yes):
+    for t in bufs.values():
+        assert libc.mprotect(t[slot].data_ptr(), slot_bytes, 1 if yes else 3) == 0, ctypes.get_errno()
+
+decode.set_data_with_slices(bufs, {})
+out = []
+for slot, prompt in ((0, list(range(3, 40))), (1, list(range(50, 61)))):
+    read_only(1 - slot, True)
+    prefill.set_data_with_slices(bufs, {"batch_index": slot, "ctx_start": 0})
+    prefill.execution_slots[0].request = type("Job", (), {"request_id": slot, "prompt": prompt})()
+    done = []
+    while not done:
+        done = prefill.run_prefill_chunks(chunk_size=16)
+    prefill.execution_slots[0].request = None
+    req = Request(slot, prompt, 4, output_token_ids=[done[0][1]], block_ids=[slot], num_computed_tokens=len(prompt))
+    for _ in range(3):
+        req.num_computed_tokens = req.num_tokens - 1
+        req.output_token_ids.append(int(decode.llm.execute_model([req])[0].argmax()))
+    if control:
+        bufs["past_key.0"][1 - slot].fill_(1.0)
+    read_only(1 - slot, False)
+    out.append(req.output_token_ids)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("backend", ["qaic", "control"])
+def test_prefill_and_decode_write_only_their_own_slot(backend, tmp_path):
+    """The zero-copy hand-off is race-free only if a run writes nothing outside its own
+    slot: no whole-buffer rewrite of the retained state (ONNX Runtime's ScatterND with the
+    cache bound as both input and output) and no stray write from padding."""
+    script = tmp_path / "slot_guard.py"
+    script.write_text(SLOT_GUARD)
+    run = subprocess.run([sys.executable, str(script), "eager" if backend == "control" else backend, backend],
+                         capture_output=True, text=True, timeout=300)
+    if backend == "control":  # the guard catches a write into the other slot
+        assert run.returncode == -signal.SIGSEGV, (run.returncode, run.stderr[-2000:])
+        return
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.splitlines()[-1])
+    assert got == eager_tokens(llama(2), [list(range(3, 40)), list(range(50, 61))], [4, 4])
 
 
 # --- the server ---------------------------------------------------------------------------------
