@@ -163,6 +163,24 @@ at::Tensor paged_attention(
       query.device() == key_cache.device(), op, ": query is on ", query.device(),
       " but the KV cache is on ", key_cache.device());
   const int64_t kv_heads = key_cache.size(1);
+  // Block indices are checked against the key cache only, and the decode kernel reads
+  // the value (and extra key) cache with the key cache's blocks, heads and block size:
+  // they must agree, or it would read past the end of a smaller cache.
+  for (const at::Tensor* other : {&value_cache, extra_key_cache ? &*extra_key_cache : nullptr}) {
+    if (other == nullptr) {
+      continue;
+    }
+    TORCH_CHECK(
+        other->dim() == 4 && key_cache.dim() == 4 && other->size(0) == key_cache.size(0) &&
+            other->size(1) == kv_heads && other->size(2) == key_cache.size(2),
+        op, ": the layer's caches disagree: ", key_cache.sizes(), " and ", other->sizes(),
+        "; every cache of a layer must be [num_blocks, num_kv_heads, block_size, head_size] "
+        "with the same num_blocks, num_kv_heads and block_size");
+    TORCH_CHECK(
+        other->scalar_type() == key_cache.scalar_type() && other->device() == key_cache.device(),
+        op, ": the layer's caches disagree: ", key_cache.scalar_type(), " on ",
+        key_cache.device(), " and ", other->scalar_type(), " on ", other->device());
+  }
   TORCH_CHECK(
       query.size(1) % kv_heads == 0, op, ": ", query.size(1),
       " query heads are not a multiple of ", kv_heads, " kv heads");

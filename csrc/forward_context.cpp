@@ -205,9 +205,31 @@ void push_forward_context(std::shared_ptr<ForwardContext> ctx) {
   tls_stack.push_back(std::move(ctx));
 }
 
-void pop_forward_context() {
+void pop_forward_context(const std::shared_ptr<ForwardContext>& ctx) {
   TORCH_CHECK(!tls_stack.empty(), "pop_forward_context: no forward context is set");
-  tls_stack.pop_back();
+  if (tls_stack.back() == ctx) {
+    tls_stack.pop_back();
+    return;
+  }
+  // Left out of order: another context entered later on this thread is still current,
+  // as when two forwards interleave on one thread (generators, asyncio tasks) and one
+  // holds its context across a yield or await. Remove the leaving context itself, so the
+  // other keeps its own, and say so: while both were entered, the ops of the suspended
+  // forward resolved their layers and caches through the other one.
+  for (auto it = tls_stack.begin(); it != tls_stack.end(); ++it) {
+    if (*it == ctx) {
+      tls_stack.erase(it);
+      TORCH_CHECK(
+          false,
+          "set_forward_context: forward contexts were left out of order on this thread (a "
+          "context entered later is still set). Two forward passes interleaved on one "
+          "thread, e.g. generators or asyncio tasks that hold a context across a yield or "
+          "await; their KV-cache ops may have used each other's caches. Run each forward "
+          "pass to completion inside its context, or run concurrent forwards on separate "
+          "threads (contexts are per thread)");
+    }
+  }
+  TORCH_CHECK(false, "pop_forward_context: this context is not set on this thread");
 }
 
 bool has_forward_context() {

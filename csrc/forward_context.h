@@ -124,7 +124,7 @@ class ForwardContext {
 
 // This thread's stack of contexts. Nested `set_forward_context` blocks push and pop.
 void push_forward_context(std::shared_ptr<ForwardContext> ctx);
-void pop_forward_context();
+void pop_forward_context(const std::shared_ptr<ForwardContext>& ctx);
 bool has_forward_context();
 // The innermost context of this thread; throws a clear error when none is set.
 ForwardContext& current_forward_context(const char* caller);

@@ -36,11 +36,19 @@ at::Tensor update_layer(
     const at::Tensor& first, const at::Tensor& second, c10::string_view layer_name,
     const char* op, const char* what) {
   ForwardContext& ctx = current_forward_context(op);
-  const LayerCaches& c =
-      expect_two(ctx.resolve_for_update(std::string(layer_name), op), op, what);
-  at::Tensor first_cache = c[0];
-  at::Tensor second_cache = c[1];
-  reshape_and_cache(first, second, first_cache, second_cache, ctx.attn_metadata().slot_mapping);
+  const int64_t index = ctx.kv_cache_layer_index();
+  try {
+    const LayerCaches& c =
+        expect_two(ctx.resolve_for_update(std::string(layer_name), op), op, what);
+    at::Tensor first_cache = c[0];
+    at::Tensor second_cache = c[1];
+    reshape_and_cache(first, second, first_cache, second_cache, ctx.attn_metadata().slot_mapping);
+  } catch (...) {
+    // reshape_and_cache checks everything before it writes, so nothing was written: a
+    // caller that catches the error and retries must get the same layer, not the next.
+    ctx.rewind_kv_cache_layer_index(index);
+    throw;
+  }
   return dependency_token(first);
 }
 
@@ -59,7 +67,6 @@ at::Tensor as_single_head(const at::Tensor& t, const char* op, const char* name)
 at::Tensor unified_mla_kv_cache_update(
     const at::Tensor& kv_c_normed, const at::Tensor& k_pe, c10::string_view layer_name) {
   constexpr const char* op = "unified_mla_kv_cache_update";
-  // Shapes are checked before the layer is resolved, so a bad call does not move the index.
   const at::Tensor kv_c = as_single_head(kv_c_normed, op, "kv_c_normed");
   const at::Tensor pe = as_single_head(k_pe, op, "k_pe");
   return update_layer(kv_c, pe, layer_name, op, "compressed_kv cache, k_pe cache");
@@ -98,6 +105,13 @@ at::Tensor unified_mla_attention(
           q_latent.size(1) == q_pe.size(1),
       op, ": q_latent and q_pe must be [num_tokens, num_heads, dim] with the same tokens "
       "and heads, got ", q_latent.sizes(), " and ", q_pe.sizes());
+  // Each part against its own cache: only their sum reaches paged_attention, and a split
+  // at the wrong place would attend with misaligned halves.
+  TORCH_CHECK(
+      q_latent.size(2) == c[0].size(3) && q_pe.size(2) == c[1].size(3), op,
+      ": q_latent width ", q_latent.size(2), " / q_pe width ", q_pe.size(2),
+      " do not match layer '", std::string(layer_name), "' caches: compressed_kv width ",
+      c[0].size(3), " / k_pe width ", c[1].size(3));
   // Absorbed MLA: scores = q_latent . c_kv + q_pe . k_pe, i.e. one attention with the
   // latent as both (part of) the key and the value, shared by every head (MQA).
   return paged_attention(
@@ -279,7 +293,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("rewind_kv_cache_layer_index", &ForwardContext::rewind_kv_cache_layer_index, py::arg("to"));
 
   m.def("push_forward_context", &push_forward_context, py::arg("ctx"));
-  m.def("pop_forward_context", &pop_forward_context);
+  m.def("pop_forward_context", &pop_forward_context, py::arg("ctx"));
   m.def("has_forward_context", &has_forward_context);
   m.def(
       "current_forward_context",

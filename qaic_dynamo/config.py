@@ -136,7 +136,8 @@ class CompilationConfig:
         _check_choice("fallback", self.fallback, FALLBACKS)
         _check_choice("opset", self.opset, OPSETS)
         _check_choice("region_dispatch", self.region_dispatch, REGION_DISPATCHES)
-        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
+        if self.num_threads is not None and (not isinstance(self.num_threads, int) or isinstance(self.num_threads, bool)
+                                             or self.num_threads < 1):
             raise ConfigError(f"qaic option 'num_threads' must be a positive int or None, got {self.num_threads!r}")
         if not isinstance(self.release_openmp_workers, bool):
             raise ConfigError(

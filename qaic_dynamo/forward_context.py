@@ -84,7 +84,7 @@ def set_forward_context(
     try:
         yield ctx
     finally:
-        _C.pop_forward_context()
+        _C.pop_forward_context(ctx)
 
 
 def get_forward_context() -> ForwardContext:

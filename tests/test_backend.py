@@ -371,6 +371,7 @@ def fill_into(x: torch.Tensor, out: torch.Tensor) -> None:
     ({"splitting_ops": ["qaic::no_such_op"]}, "'qaic::no_such_op' is not a registered op"),
     ({"splitting_ops": "qaic::unified_attention"}, "must be a list of op names"),
     ({"num_threads": 0}, "'num_threads' must be a positive int"),
+    ({"num_threads": True}, "'num_threads' must be a positive int or None, got True"),
     ({"release_openmp_workers": "yes"}, "'release_openmp_workers' must be True or False"),
 ])
 def test_bad_option_values(options, message):

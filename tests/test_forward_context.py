@@ -129,6 +129,43 @@ def test_context_is_popped_when_the_body_raises():
     assert not has_forward_context()
 
 
+def test_contexts_left_out_of_order_are_an_error_and_each_keeps_its_own():
+    """Two forwards interleaved on one thread (generators, asyncio tasks) that hold their
+    contexts across a yield: leaving the first while the second is still set used to pop
+    the second, so the second's updates went into the first's caches."""
+    a, b = layer_caches(["a"]), layer_caches(["b"])
+
+    def forward(kv):
+        with set_forward_context(one_token_md(), kv) as ctx:
+            yield ctx
+            yield write(1)  # one update, into this context's own layer
+
+    fa, fb = forward(a), forward(b)
+    next(fa)
+    cb = next(fb)
+    with pytest.raises(RuntimeError, match=r"forward contexts were left out of order on this thread.*interleaved "
+                                           r"on one thread.*Run each forward pass to completion"):
+        fa.close()  # leaves a's context while b's is current
+    assert get_forward_context() is cb  # b kept its own context
+    next(fb)
+    assert b["b"][0].sum() == 2 and a["a"][0].sum() == 0  # b's update went into b's cache
+    fb.close()
+    assert not has_forward_context()
+
+
+def test_a_failed_update_does_not_move_the_index():
+    """A caller that catches the error and retries must write the same layer."""
+    kv = layer_caches(["l0", "l1"])
+    with set_forward_context(one_token_md(), kv) as ctx:
+        bad = torch.ones(1, 1, 3)  # head_size 3, the caches hold 2
+        for update in (ops.unified_kv_cache_update, ops.unified_mla_kv_cache_update):
+            with pytest.raises(RuntimeError, match="head_size 3 but key_cache has head_size 2"):
+                update(bad, bad, "from_forward_context")
+            assert ctx.kv_cache_layer_index == 0
+        write(5)  # the retry
+    assert kv["l0"][0].sum() == 10 and kv["l1"][0].sum() == 0
+
+
 def test_threads_do_not_share_an_index():
     """Two threads interleave their layers step by step; each keeps its own index."""
     n_layers = 6

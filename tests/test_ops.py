@@ -473,6 +473,35 @@ def test_unified_op_errors(call, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("query_lens", [[1], [2]], ids=["decode", "prefill"])
+@pytest.mark.parametrize("value_cache, message", [
+    (torch.zeros(1, 1, 16, 8), r"the layer's caches disagree: \[64, 4, 16, 8\] and \[1, 1, 16, 8\]"),
+    (torch.zeros(64, 4, 8, 8), r"the layer's caches disagree: \[64, 4, 16, 8\] and \[64, 4, 8, 8\]"),
+    (torch.zeros(64, 4, 16, 8, dtype=torch.float64), "the layer's caches disagree: Float on cpu and Double on cpu"),
+])
+def test_attention_refuses_a_value_cache_that_disagrees_with_the_key_cache(query_lens, value_cache, message):
+    """The decode kernel reads the value cache with the key cache's block layout: a
+    smaller value cache was read past its end (garbage, or a crash)."""
+    key_cache = torch.zeros(64, 4, 16, 8)
+    md = build_attention_metadata([20], query_lens, [[63, 62]], 16)
+    q = torch.ones(query_lens[0], 4, 8)
+    with set_forward_context(md, {"l0": (key_cache, value_cache)}):
+        with pytest.raises(RuntimeError, match=message):
+            ops.unified_attention(q, q, q, "l0")
+
+
+def test_mla_attention_checks_each_query_part_against_its_cache():
+    """Only the sum of the widths reached the kernel: a query split at the wrong place
+    attended with misaligned halves, and the fake kernel gave another shape."""
+    b = mla_batch(16)
+    with set_forward_context(b["md"], b["kv"]):
+        ops.unified_mla_kv_cache_update(b["new_c"], b["new_p"], "mla0")
+        q = torch.cat([b["q_lat"], b["q_pe"]], -1)
+        with pytest.raises(RuntimeError, match=r"q_latent width 17 / q_pe width 7 do not match layer 'mla0' caches: "
+                                               r"compressed_kv width 16 / k_pe width 8"):
+            ops.unified_mla_attention(q[..., :17], q[..., 17:], "mla0", 0.1)
+
+
 def test_attention_needs_full_metadata():
     from qaic_dynamo import AttentionMetadata
 
