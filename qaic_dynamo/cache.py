@@ -178,6 +178,15 @@ class CompileCache:
         tmp = disk.new_tmp_dir(key) if disk is not None else None
         out_dir = tmp if tmp is not None else self._new_scratch_dir(key)
         t0 = time.perf_counter()
+
+        def drop() -> None:
+            # A committed entry may already serve another process: rename it aside like
+            # any damaged entry instead of deleting files under a reader.
+            if tmp is not None and out_dir != tmp:
+                disk.discard(key)
+            else:
+                shutil.rmtree(out_dir, ignore_errors=True)
+
         try:
             if describe is not None:
                 (out_dir / "fingerprint.json").write_text(json.dumps(describe, indent=1, sort_keys=True))
@@ -191,12 +200,12 @@ class CompileCache:
             artifact = load(out_dir, num_threads)  # the session holds the model from here on
             load_s = time.perf_counter() - t1
         except (LoweringError, QaicCompileError, ArtifactError) as e:
-            shutil.rmtree(out_dir, ignore_errors=True)
+            drop()
             with self._lock:
                 self._failed[key] = str(e)
             return CacheResult(Source.FAILED, failure=str(e), error=e, compile_seconds=time.perf_counter() - t0)
         except OSError as e:
-            shutil.rmtree(out_dir, ignore_errors=True)
+            drop()
             # Writing the entry into the cache's tmp/ failed (a full disk reports ENOSPC
             # from write(), with no file name): compile again without the disk cache.
             # Any other OSError (a compiler subprocess's, say) is the compile's own.
@@ -206,7 +215,7 @@ class CompileCache:
             disk._degrade("cannot write", e)
             return self._compile(key, compile_into, None, num_threads, describe)
         except BaseException:
-            shutil.rmtree(out_dir, ignore_errors=True)
+            drop()
             raise
         compilation_counter.bump(num_backend_compilations=1)
         self._remember(key, artifact)
@@ -269,6 +278,17 @@ class EntryInfo:
     size: int
     created: float
     last_used: float
+
+
+def _read_meta(meta_path: Path) -> dict[str, Any]:
+    """An entry's META, checked to have the shape commit() writes; ValueError otherwise."""
+    meta = json.loads(meta_path.read_text())
+    files = meta.get("files") if isinstance(meta, dict) else None
+    if not isinstance(files, dict) or not all(
+            isinstance(v, dict) and type(v.get("size")) is int and isinstance(v.get("sha256"), str)
+            for v in files.values()):
+        raise ValueError('not {"files": {name: {"size": int, "sha256": str}}, ...}')
+    return meta
 
 
 def _sha256(path: Path) -> str:
@@ -340,8 +360,14 @@ class DiskCache:
         path = self.entry_dir(key)
         meta_path = path / META
         if not meta_path.exists():
-            return None
-        problem = self._verify(path, meta_path)
+            # commit() writes META before the atomic rename, so an entry directory without
+            # it is never a write in progress but a damaged entry (a partial copy, a deleted
+            # file); left in place it would block every later commit of this key.
+            if not path.exists():
+                return None
+            problem = f"no {META}"
+        else:
+            problem = self._verify(path, meta_path)
         if problem is not None:
             self.warn_once(f"qaic: cache entry {key[:12]} is damaged ({problem}); recompiling it")
             self.discard(key)
@@ -355,11 +381,12 @@ class DiskCache:
 
     def _verify(self, path: Path, meta_path: Path) -> str | None:
         try:
-            meta = json.loads(meta_path.read_text())
-            files = meta["files"]
-        except (OSError, ValueError, KeyError) as e:
+            meta = _read_meta(meta_path)
+        except (OSError, ValueError) as e:
             return f"unreadable {META}: {e}"
-        for name, want in files.items():
+        if meta.get("key") != path.name:
+            return f"{META} is for key {str(meta.get('key'))[:12]}"
+        for name, want in meta["files"].items():
             f = path / name
             try:
                 if f.stat().st_size != want["size"]:
@@ -470,10 +497,10 @@ class DiskCache:
         for meta_path in self.base.glob(f"??/*/{META}"):
             path = meta_path.parent
             try:
-                meta = json.loads(meta_path.read_text())
+                meta = _read_meta(meta_path)
                 size = sum(v["size"] for v in meta["files"].values()) + meta_path.stat().st_size
                 out.append(EntryInfo(path.name, path, size, float(meta.get("created", 0)), meta_path.stat().st_mtime))
-            except (OSError, ValueError, KeyError):
+            except (OSError, ValueError, TypeError):
                 out.append(EntryInfo(path.name, path, 0, 0.0, 0.0))
         return out
 

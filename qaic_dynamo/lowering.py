@@ -70,7 +70,7 @@ import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
-from qaic_dynamo.artifact import LAYOUT_FILE, ONNX_FILE, PieceLayout, dtype_name
+from qaic_dynamo.artifact import LAYOUT_FILE, ONNX_ELEMENT_TYPES, ONNX_FILE, PieceLayout, dtype_name
 from qaic_dynamo.config import CompilationConfig
 from qaic_dynamo.counter import compilation_counter
 from qaic_dynamo.fingerprint import CanonicalNames, canonical_names
@@ -530,6 +530,7 @@ def lower_piece(
     seconds = {"prepare": time.perf_counter() - t0}
 
     layout = prepared.layout
+    _check_bindable(layout, example_args)
     out_dir.mkdir(parents=True, exist_ok=True)
     if layout.has_model:
         t0 = time.perf_counter()
@@ -553,6 +554,24 @@ def lower_piece(
     layout.stats["seconds"] = seconds
     (out_dir / LAYOUT_FILE).write_text(layout.to_json())
     return layout
+
+
+def _check_bindable(layout: PieceLayout, example_args: Sequence[Any]) -> None:
+    """Refuse, before any export, a piece whose ONNX inputs or outputs have a dtype the
+    runtime cannot bind (uint8, int8, complex, ...): its artifact could never load."""
+    bad = [(o["name"], o.get("dtype")) for o in layout.outputs
+           if getattr(torch, str(o.get("dtype")), None) not in ONNX_ELEMENT_TYPES]
+    for i in layout.inputs:
+        src = i["source"]
+        if src[0] == "arg" and isinstance(example_args[src[1]], torch.Tensor):
+            dtype = example_args[src[1]].dtype
+            if dtype not in ONNX_ELEMENT_TYPES:
+                bad.append((i["name"], dtype_name(dtype)))
+    if bad:
+        raise LoweringError(
+            f"the runtime cannot bind {', '.join(f'{n} ({d})' for n, d in bad)}; it binds "
+            f"{sorted(dtype_name(d) for d in ONNX_ELEMENT_TYPES)}. Cast to a supported dtype inside the model, "
+            "or leave this part to eager PyTorch")
 
 
 def _finish(model: onnx.ModelProto, layout: PieceLayout, opset: int) -> onnx.ModelProto:

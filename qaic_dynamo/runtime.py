@@ -321,10 +321,15 @@ class PieceRunner(torch.nn.Module):
         except CacheLayoutError:
             raise
         except Exception as e:
-            if self.config.fallback == "error":
-                raise
             if ctx is not None:  # nothing was written; let the eager ops resolve again
                 ctx.rewind_kv_cache_layer_index(start)
+            if self._binds_empty(args, ctx):
+                # An empty batch: ONNX Runtime refuses a zero-size tensor (its data pointer
+                # is null), and there is nothing to compute. Eager serves this call only;
+                # it says nothing about the artifact.
+                return self.eager(*args)
+            if self.config.fallback == "error":
+                raise
             # If eager fails too, the inputs were bad: report that, stay compiled.
             out = self.eager(*args)
             self.use_eager = True
@@ -332,6 +337,15 @@ class PieceRunner(torch.nn.Module):
             return out
         # Outside the fallback: an error here is a bug in the layout, and must surface.
         return self._assemble(args, outs, sym)
+
+    def _binds_empty(self, args: Sequence[Any], ctx: Any) -> bool:
+        """Whether this call binds a zero-size tensor."""
+        for _, src in self._inputs:
+            if src[0] == "arg" and isinstance(args[src[1]], torch.Tensor) and args[src[1]].numel() == 0:
+                return True
+            if src[0] == "slot_mapping" and ctx is not None and ctx.attn_metadata.slot_mapping_i64.numel() == 0:
+                return True
+        return False
 
     def _assemble(self, args: Sequence[Any], outs: list[torch.Tensor | None], sym: dict[str, int] | None) -> Any:
         leaves = []

@@ -260,6 +260,39 @@ def test_fallback_error_raises():
         torch.compile(model, backend="qaic", options={"fallback": "error"})(x)
 
 
+def test_an_unbindable_dtype_is_refused_before_any_export(tmp_path):
+    """A uint8 output used to be exported, committed to disk, then failed to load; the
+    committed entry was deleted in place and every new process exported it again."""
+    def f(x, y):
+        return (x * 3 + y).to(torch.uint8), x - y
+
+    x, y = torch.rand(4, 5) * 10, torch.rand(4, 5)
+    with compilation_counter.expect(num_onnx_exports=0, num_disk_cache_writes=0, num_eager_fallbacks=1), \
+            pytest.warns(RuntimeWarning, match=r"the runtime cannot bind out0 \(uint8\); it binds \[.*'int64'\]. "
+                                               r"Cast to a supported dtype"):
+        out = torch.compile(f, backend="qaic", options={"cache_dir": str(tmp_path)})(x, y)
+    assert all(torch.equal(a, b) for a, b in zip(out, f(x, y)))
+    assert not list(tmp_path.glob("v1/??/*"))
+
+
+def test_an_empty_batch_runs_eagerly_for_that_call_only():
+    """ONNX Runtime refuses a zero-size tensor (a null data pointer): one empty batch used
+    to turn the piece eager for the rest of the process."""
+    def f(x, w):
+        return torch.relu(x @ w) * 2 + 1
+
+    w = torch.randn(8, 8)
+    g = torch.compile(f, backend="qaic", options={"cache": False})
+    # One graph for every token count, as vLLM marks the token dim.
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True), \
+            compilation_counter.expect(num_graphs_seen=1, num_eager_fallbacks=0):
+        for n in (5, 0, 3):
+            x = torch.randn(n, 8)
+            torch._dynamo.mark_dynamic(x, 0)
+            torch.testing.assert_close(g(x, w), f(x, w))
+    assert not any(p.runs_eagerly for p in last_compile_report().pieces)
+
+
 class WritesItsBuffer(nn.Module):
     """A piece that writes into its inputs: a step-counter buffer and the input itself."""
 

@@ -85,10 +85,14 @@ def test_library_version_change_misses(tmp_path, monkeypatch):
         compile_once(tmp_path)
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "meta"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "meta", "no-meta", "meta-shape", "meta-of-another-key"])
 def test_damaged_entry_is_detected_replaced_and_logged_once(tmp_path, damage, caplog):
+    """Each kind of damage is a miss that replaces the entry: no crash (a meta.json of
+    another shape raised TypeError), and no disabled disk cache (an entry without
+    meta.json blocked its own replacement, which then turned the disk cache off)."""
     compile_once(tmp_path)
     victim = Path(tmp_path, "v1", entries(tmp_path)[0][:2], entries(tmp_path)[0])
+    other = Path(tmp_path, "v1", entries(tmp_path)[1][:2], entries(tmp_path)[1])
     model = victim / "model.onnx"
     if damage == "truncate":
         model.write_bytes(model.read_bytes()[:100])
@@ -96,8 +100,14 @@ def test_damaged_entry_is_detected_replaced_and_logged_once(tmp_path, damage, ca
         data = bytearray(model.read_bytes())
         data[len(data) // 2] ^= 0xFF
         model.write_bytes(bytes(data))
-    else:
+    elif damage == "meta":
         (victim / "meta.json").write_text("{not json")
+    elif damage == "no-meta":
+        (victim / "meta.json").unlink()
+    elif damage == "meta-shape":
+        (victim / "meta.json").write_text(json.dumps({"files": {"layout.json": 5}}))
+    else:
+        (victim / "meta.json").write_text((other / "meta.json").read_text())
     with compilation_counter.expect(num_onnx_exports=1, num_disk_cache_hits=2, num_disk_cache_writes=1):
         compile_once(tmp_path)
     assert sum("is damaged" in r.message for r in caplog.records) == 1
