@@ -294,3 +294,13 @@ def _unified_attention_fake(
 @torch.library.register_fake("qaic::unified_mla_attention")
 def _unified_mla_attention_fake(q_latent, q_pe, layer_name, scale, kv_cache_dependency=None):
     return q_latent.new_empty(q_latent.shape)
+
+
+# The KV-cache updates write caches their schema cannot name (the layer comes from the
+# forward context), so to FX they look pure: a graph that drops the dependency token
+# (attention called without ``kv_cache_dependency``) would lose the write to dead-code
+# elimination under AOTAutograd backends (aot_eager, inductor). Marked side-effectful,
+# FX keeps them whatever reads their result.
+for _op in QAIC_OPS.values():
+    if _op.role is OpRole.KV_CACHE_UPDATE:
+        torch.fx.node.has_side_effect(_op.overload)

@@ -502,6 +502,21 @@ def test_mla_attention_checks_each_query_part_against_its_cache():
             ops.unified_mla_attention(q[..., :17], q[..., 17:], "mla0", 0.1)
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "qaic"])
+def test_an_update_whose_token_is_unused_still_writes(backend):
+    """The updates' schemas name no cache, so FX took them for pure: under aot_eager an
+    update whose dependency token nothing reads was removed as dead code."""
+    def f(k, v):
+        ops.unified_kv_cache_update(k, v, "from_forward_context")  # token dropped
+        return k * 2
+
+    kc, vc = caches(1, 1, 4, 2)
+    g = torch.compile(f, backend=backend, **({"options": {"cache": False}} if backend == "qaic" else {}))
+    with set_forward_context(build_attention_metadata([2], [1], [[0]], 4), {"l0": (kc, vc)}):
+        g(torch.ones(1, 1, 2), torch.full((1, 1, 2), 3.0))
+    assert kc[0, 0, 1].tolist() == [1.0, 1.0] and vc[0, 0, 1].tolist() == [3.0, 3.0]
+
+
 def test_attention_needs_full_metadata():
     from qaic_dynamo import AttentionMetadata
 
