@@ -18,7 +18,8 @@ as a miss and recompiles.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,29 @@ class PieceLayout:
         return cls(**data)
 
 
+_EXPRESSION_TOKEN = re.compile(r"\s*(?:(?P<name>[A-Za-z_]\w*)|\d+(?:\.\d+)?|\*\*|[-+*/%(),])")
+# Names sympy prints in size expressions besides torch's own sympy functions.
+_SYMPY_NAMES = frozenset({"Max", "Min", "floor", "ceiling", "Mod", "Abs", "Integer", "Rational"})
+# Of torch's sympy module only its sympy classes (FloorDiv, CeilDiv, ...), not the modules
+# and helpers it imports.
+_SYMPY_FUNCTION_NAMES = frozenset(name for name, v in _SYMPY_LOCALS.items()
+                                  if isinstance(v, type) and issubclass(v, sympy.Basic))
+
+
+def check_size_expression(text: str, symbols: Iterable[str], where: str) -> None:
+    """Refuse a size expression that is not arithmetic over ``symbols`` and sympy's size
+    functions. sympy parses with ``eval``, so layout.json must never reach it unchecked:
+    a cache directory someone else can write would otherwise run their code."""
+    allowed = set(symbols) | _SYMPY_NAMES | _SYMPY_FUNCTION_NAMES
+    pos = 0
+    while pos < len(text.rstrip()):
+        m = _EXPRESSION_TOKEN.match(text, pos)
+        if m is None or m.end() == pos or (m["name"] is not None and m["name"] not in allowed):
+            bad = m["name"] if m is not None and m["name"] else text[pos:pos + 12]
+            raise ArtifactError(f"{LAYOUT_FILE}: {where} {text!r} is not a size expression (at {bad!r})")
+        pos = m.end()
+
+
 def shape_function(shape: list[int | str] | None, symbols: dict[str, list[Any]]) -> Callable[[dict[str, int]], list[int]]:
     """Compile an output's shape spec (ints and expressions in canonical symbols) into a
     function of the symbols' values."""
@@ -145,6 +169,7 @@ def shape_function(shape: list[int | str] | None, symbols: dict[str, list[Any]])
         elif dim in symbols:
             parts.append(lambda sym, d=dim: sym[d])
         else:
+            check_size_expression(str(dim), symbols, "an output size")
             expr = sympy.sympify(dim, locals={**_SYMPY_LOCALS, **{s: sympy.Symbol(s, integer=True) for s in symbols}})
             missing = {str(s) for s in expr.free_symbols} - set(symbols)
             if missing:
@@ -208,6 +233,9 @@ def load(path: Path, num_threads: int | None = None) -> Artifact:
     except OSError as e:
         raise ArtifactError(f"cannot read {path / LAYOUT_FILE}: {e}") from e
     layout = PieceLayout.from_json(text)
+    for leaf in layout.leaves:  # evaluated at call time; checked once, here
+        if leaf[0] == "sym":
+            check_size_expression(str(leaf[1]), layout.symbols, "a size output")
     dtypes = []
     for o in layout.outputs:
         dtype = getattr(torch, str(o.get("dtype")), None)
@@ -226,5 +254,12 @@ def load(path: Path, num_threads: int | None = None) -> Artifact:
         except Exception as e:
             raise ArtifactError(f"ONNX Runtime could not load {path / ONNX_FILE}: {str(e).splitlines()[0]}") from e
         compilation_counter.bump(num_runtime_sessions=1)
+        # Inputs and outputs are bound by name and position from the layout: a layout
+        # that does not describe this model would bind tensors to the wrong inputs.
+        for kind, declared, actual in (("inputs", layout.inputs, session.get_inputs()),
+                                       ("outputs", layout.outputs, session.get_outputs())):
+            if [d["name"] for d in declared] != [a.name for a in actual]:
+                raise ArtifactError(f"{LAYOUT_FILE} names the {kind} {[d['name'] for d in declared]} but "
+                                    f"{ONNX_FILE} has {[a.name for a in actual]}")
     shapes = [shape_function(o["shape"], layout.symbols) for o in layout.outputs]
     return Artifact(path, layout, session, shapes, dtypes, threads)

@@ -157,22 +157,42 @@ def _rewrite_entry_file(entry: Path, name: str, text: str) -> None:
     (entry / "meta.json").write_text(json.dumps(meta))
 
 
-@pytest.mark.parametrize("damage", ["older_format", "unknown_key", "not_json"])
+def _code_in_a_size(layout: dict) -> dict:
+    outputs = [dict(o) for o in layout["outputs"]]
+    outputs[0]["shape"] = ["__import__('os').getpid()", *outputs[0]["shape"][1:]]
+    return dict(layout, outputs=outputs)
+
+
+def _swapped_inputs(layout: dict) -> dict:
+    inputs = [dict(i) for i in layout["inputs"]]
+    inputs[0]["name"], inputs[1]["name"] = inputs[1]["name"], inputs[0]["name"]
+    return dict(layout, inputs=inputs)
+
+
+@pytest.mark.parametrize("damage", ["older_format", "unknown_key", "not_json", "code_in_a_size", "swapped_inputs"])
 def test_an_unreadable_layout_is_recompiled_with_a_warning(damage, caplog):
+    """A layout that cannot be read, or that does not describe its model (inputs it would
+    bind by the wrong names), is a miss; a size that is not an expression is never parsed
+    (sympy parses with eval)."""
     model = llama()
     run_steps(model, torch.compile(model, backend="qaic"), steps=0)
     report = last_compile_report()
     entry = Path(report.pieces[0].artifact)
     layout = json.loads((entry / LAYOUT_FILE).read_text())
-    text = {"older_format": json.dumps({k: v for k, v in layout.items() if k != "format"}),
-            "unknown_key": json.dumps(dict(layout, added_later=True)),
-            "not_json": "{"}[damage]
+    text = {"older_format": lambda: json.dumps({k: v for k, v in layout.items() if k != "format"}),
+            "unknown_key": lambda: json.dumps(dict(layout, added_later=True)),
+            "not_json": lambda: "{",
+            "code_in_a_size": lambda: json.dumps(_code_in_a_size(layout)),
+            "swapped_inputs": lambda: json.dumps(_swapped_inputs(layout))}[damage]()
     _rewrite_entry_file(entry, LAYOUT_FILE, text)
     torch._dynamo.reset()
     artifact_cache.clear_memory()
     with compilation_counter.expect(num_backend_compilations=1, num_disk_cache_hits=2):
         out = run_steps(model, torch.compile(model, backend="qaic"), steps=1)
     assert "does not load" in caplog.text and "recompiling it" in caplog.text
+    reason = {"code_in_a_size": "is not a size expression (at '__import__')",
+              "swapped_inputs": "names the inputs"}.get(damage, "")
+    assert reason in caplog.text
     ref = run_steps(model, model, steps=1)
     assert [o.argmax(-1).tolist() for o in out] == [r.argmax(-1).tolist() for r in ref]
 
