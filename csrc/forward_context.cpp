@@ -51,6 +51,14 @@ AttentionMetadata::AttentionMetadata(
       "AttentionMetadata.slot_mapping must be int32 or int64, got ",
       slot_mapping.scalar_type());
   slot_mapping_i64 = slot_mapping.to(at::kLong).contiguous();
+  // Checked once here for both update paths: the kernel refuses a slot below -1, but the
+  // lowered KVCacheScatter reads every negative slot as padding and would skip the write.
+  if (slot_mapping_i64.numel() > 0) {
+    const int64_t lowest = slot_mapping_i64.min().item<int64_t>();
+    TORCH_CHECK(
+        lowest >= -1, "AttentionMetadata.slot_mapping entries must be >= -1 (-1 marks a padded "
+        "token), got ", lowest);
+  }
   const int given = int(block_tables.has_value()) + int(seq_lens.has_value()) +
       int(query_start_loc.has_value());
   TORCH_CHECK(

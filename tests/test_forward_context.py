@@ -244,6 +244,9 @@ def test_python_resolution_matches_the_op():
         (dict(slot_mapping=torch.zeros(1, dtype=torch.long), block_tables=torch.zeros(1, 1, dtype=torch.long),
               seq_lens=torch.tensor([2]), query_start_loc=torch.tensor([0, 2])),
          "query_start_loc ends at 2 but slot_mapping has only 1 tokens"),
+        # The lowered scatter read any negative slot as padding; the kernel refused it.
+        (dict(slot_mapping=torch.tensor([3, -2, -1])), "slot_mapping entries must be >= -1 (-1 marks a padded token), got -2"),
+        (dict(slot_mapping=torch.tensor([-5], dtype=torch.int32)), "got -5"),
     ],
 )
 def test_metadata_validation(kwargs, message):
