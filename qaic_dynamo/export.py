@@ -127,7 +127,9 @@ def retained_state_names(stems: Sequence[str], layer: int) -> list[str]:
     return [f"{stem}.{layer}{RETAINED_STATE_SUFFIX}" for stem in stems]
 
 
-_KV_OUTPUT = re.compile(r"^(?P<stem>[A-Za-z_]+)\.(?P<layer>\d+)" + RETAINED_STATE_SUFFIX + "$")
+# A KV retained-state output, plain or with a kv_cache_prefix: past_key.3[_P]_RetainedState.
+_KV_OUTPUT = re.compile(r"^(?P<stem>[A-Za-z_]+)\.(?P<layer>\d+)(?:_(?P<prefix>[A-Za-z0-9]+))?"
+                        + RETAINED_STATE_SUFFIX + "$")
 
 
 def apply_kv_cache_prefix(names: Sequence[str], prefix: str | None) -> list[str]:
@@ -142,7 +144,7 @@ def apply_kv_cache_prefix(names: Sequence[str], prefix: str | None) -> list[str]
     out = []
     for name in names:
         m = _KV_OUTPUT.match(name)
-        if m and m["stem"] in stems:
+        if m and m["stem"] in stems and m["prefix"] is None:
             name = f"{m['stem']}.{m['layer']}_{prefix}{RETAINED_STATE_SUFFIX}"
         out.append(name)
     return out
@@ -843,11 +845,9 @@ def _fill_output_meta(gm: fx.GraphModule) -> None:
 def is_kv_retained_state(name: str) -> bool:
     """True if ``name`` is a KV retained-state output of the registry's KV updates, with
     or without a ``kv_cache_prefix`` (``past_key.3_RetainedState``, ``past_key.3_P_RetainedState``)."""
-    m = _KV_OUTPUT_ANY_PREFIX.match(name)
+    m = _KV_OUTPUT.match(name)
     return bool(m) and m["stem"] in kv_stems()
 
-
-_KV_OUTPUT_ANY_PREFIX = re.compile(r"^(?P<stem>[A-Za-z_]+)\.(?P<layer>\d+)(_[A-Za-z0-9]+)?" + RETAINED_STATE_SUFFIX + "$")
 
 # ONNX element types the compiler's custom IO can hold at float16 (-convert-to-fp16 makes
 # every float buffer float16 on the device, so fp32, bf16 and fp64 all map to it).
