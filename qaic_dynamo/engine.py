@@ -49,6 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from qaic_dynamo.forward_context import build_attention_metadata, set_forward_context
@@ -56,6 +57,8 @@ from qaic_dynamo.forward_context import build_attention_metadata, set_forward_co
 __all__ = ["LLM", "Request", "RequestOutput", "is_token_id", "prompt_list"]
 
 BACKENDS = ("qaic", "eager", "inductor")
+#: ``max_model_len`` when none is given (or the model's max_position_embeddings if smaller).
+DEFAULT_MAX_MODEL_LEN = 512
 
 
 @dataclass
@@ -125,7 +128,8 @@ class LLM:
             unchanged: the engine runs a copy of its module tree that shares its weights.
         backend: ``"qaic"`` (the default), ``"eager"`` (no compile) or ``"inductor"``.
         max_num_seqs: sequences per ``generate`` call and per batch.
-        max_model_len: longest sequence (prompt + generated tokens).
+        max_model_len: longest sequence (prompt + generated tokens); default 512, or the
+            model's ``max_position_embeddings`` if smaller. More than that is refused.
         block_size: tokens per KV block.
         num_blocks: KV blocks per layer; default fits ``max_num_seqs`` sequences of
             ``max_model_len`` tokens.
@@ -154,7 +158,7 @@ class LLM:
         backend: str = "qaic",
         *,
         max_num_seqs: int = 8,
-        max_model_len: int = 512,
+        max_model_len: int | None = None,
         block_size: int = 16,
         num_blocks: int | None = None,
         layer_agnostic_kv_update: bool = True,
@@ -170,10 +174,20 @@ class LLM:
         if backend not in BACKENDS:
             raise ValueError(f"LLM: backend must be one of {list(BACKENDS)}, got {backend!r}")
         for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len), ("block_size", block_size)):
-            if not isinstance(value, int) or value < 1:
+            if value is None and name == "max_model_len":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"LLM: {name} must be a positive int, got {value!r}")
         self.model = load_model(model, layer_agnostic_kv_update=layer_agnostic_kv_update, dtype=dtype)
         self.model.eval()
+        # As vLLM: positions past the model's trained range are refused, not run (learned
+        # position tables would index out of range, RoPE models degrade silently).
+        max_positions = getattr(self._model_config(), "max_position_embeddings", None)
+        if max_model_len is None:
+            max_model_len = min(DEFAULT_MAX_MODEL_LEN, max_positions or DEFAULT_MAX_MODEL_LEN)
+        elif isinstance(max_positions, int) and max_model_len > max_positions:
+            raise ValueError(f"LLM: max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                             f"{max_positions}; pass max_model_len <= {max_positions}")
         self.backend = backend
         self.max_num_seqs, self.max_model_len, self.block_size = max_num_seqs, max_model_len, block_size
         blocks_per_seq = -(-max_model_len // block_size)
@@ -202,18 +216,24 @@ class LLM:
         self.tokenizer = _load_tokenizer(model, tokenizer)
         self.sampler = Sampler(self._eos_token_ids(), seed)
 
+    def _model_config(self) -> Any:
+        """The model's config: the transformers config, or the reference model's."""
+        return getattr(getattr(self.model, "hf", None), "config", None) or getattr(self.model, "config", None)
+
     def _eos_token_ids(self) -> list[int]:
-        """The model's EOS token(s): its generation or model config, else the tokenizer's."""
+        """The model's EOS token(s), from its generation or model config, and the
+        tokenizer's: any of them ends a request (checkpoints whose config and tokenizer
+        name different end-of-turn tokens stop at either, as in vLLM)."""
         ids: list[int] = []
-        cfg = getattr(getattr(self.model, "hf", None), "config", None) or getattr(self.model, "config", None)
         gen = getattr(getattr(self.model, "hf", None), "generation_config", None)
-        for source in (gen, cfg):
+        for source in (gen, self._model_config()):
             eos = getattr(source, "eos_token_id", None)
             if eos is not None:
                 ids = [eos] if isinstance(eos, int) else list(eos)
                 break
-        if not ids and self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
-            ids = [self.tokenizer.eos_token_id]
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
+        if isinstance(tok_eos, int) and tok_eos not in ids:
+            ids.append(tok_eos)
         return ids
 
     # -- KV blocks ------------------------------------------------------------------------
@@ -373,12 +393,22 @@ class LLM:
         return [
             RequestOutput(
                 r.prompt_token_ids, r.output_token_ids, r.logits,
-                text=self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True) if self.tokenizer else None,
+                text=self._decode(r.output_token_ids) if self.tokenizer else None,
                 prompt=prompts[r.request_id] if isinstance(prompts[r.request_id], str) else None,
                 finish_reason="stop" if r.stopped else "length",
             )
             for r in requests
         ]
+
+    def _decode(self, token_ids: list[int]) -> str:
+        """Text of ``token_ids``; a tokenizer with a plain ``decode(ids)`` (no
+        ``skip_special_tokens``) is accepted too, as documented."""
+        try:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        except TypeError as e:
+            if "skip_special_tokens" not in str(e):
+                raise
+            return self.tokenizer.decode(token_ids)
 
     def _admit(self, waiting: collections.deque[Request], running: list[Request]) -> None:
         """Move waiting requests in while there are slots and free blocks (FIFO)."""
@@ -433,6 +463,8 @@ def is_token_id(t: Any) -> bool:
     """An integer (Python, numpy or a 0-d integer tensor), not a bool."""
     if isinstance(t, torch.Tensor):
         return t.dim() == 0 and not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool
+    if isinstance(t, np.ndarray):  # has __index__ whatever its dtype
+        return t.ndim == 0 and t.dtype.kind in "iu"
     return hasattr(t, "__index__") and not isinstance(t, (bool, str, bytes)) and type(t).__name__ != "bool_"
 
 

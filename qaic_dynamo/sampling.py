@@ -12,9 +12,11 @@ requests finish; requests without one share the engine's generator. Generation s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["SamplingParams", "Sampler"]
@@ -30,7 +32,7 @@ class SamplingParams:
 
     #: Tokens to generate at most (>= 1).
     max_tokens: int = 16
-    #: Softmax temperature (>= 0); 0 picks the most likely token (greedy).
+    #: Softmax temperature (>= 0); 0 (or below 1e-5, as in vLLM) picks the most likely token (greedy).
     temperature: float = 1.0
     #: Keep only the k most likely tokens (>= 1); 0 or -1 keeps all.
     top_k: int = 0
@@ -38,7 +40,7 @@ class SamplingParams:
     top_p: float = 1.0
     #: Seed of this request's own generator (reproducible whatever the batch); None: shared.
     seed: int | None = None
-    #: Token ids that end generation (the stop token is kept as the last token).
+    #: Token ids that end generation (the stop token is kept as the last token); None: none.
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
     #: Keep generating past the model's EOS token.
     ignore_eos: bool = False
@@ -55,15 +57,30 @@ class SamplingParams:
             raise bad("top_k", "an int >= 1, or 0 / -1 for all tokens")
         if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
             raise bad("top_p", "a number in (0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise bad("seed", "an int or None")
-        if isinstance(self.stop_token_ids, (str, bytes)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "a sequence of token ids (ints >= 0)")
+        if self.seed is not None:
+            if not _is_int(self.seed) or not -2**63 <= int(self.seed) < 2**64:
+                raise bad("seed", "an int in [-2**63, 2**64) (torch.Generator's range) or None")
+            object.__setattr__(self, "seed", int(self.seed))
+        # Materialised first: a generator would be used up by the check and stored empty.
+        stops = () if self.stop_token_ids is None else self.stop_token_ids
+        if isinstance(stops, (str, bytes)) or not isinstance(stops, Iterable):
+            raise bad("stop_token_ids", "a sequence of token ids (ints >= 0) or None")
+        stops = tuple(stops)
+        if not all(_is_int(t) and int(t) >= 0 for t in stops):
+            raise bad("stop_token_ids", "a sequence of token ids (ints >= 0) or None")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "a bool")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
 
+
+
+def _is_int(v: Any) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+#: Below this a temperature is greedy, as in vLLM (dividing by it overflows the logits).
+MIN_TEMPERATURE = 1e-5
 
 
 class Sampler:
@@ -79,7 +96,7 @@ class Sampler:
 
     @staticmethod
     def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-        if params.temperature == 0:
+        if params.temperature < MIN_TEMPERATURE:
             return int(logits.argmax())
         scores = logits.float() / params.temperature
         if params.top_k > 0 and params.top_k < scores.numel():

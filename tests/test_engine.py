@@ -112,6 +112,9 @@ def test_bad_input_is_rejected(call, message):
     [
         (lambda llm: llm.generate([[1, True, 2]]), "prompt 0 has token ids that are not integers: [True]"),
         (lambda llm: llm.generate([[1, 2.5]]), "prompt 0 has token ids that are not integers: [2.5]"),
+        # 0-d numpy arrays have __index__ whatever their dtype: 3.7 became 3, True 1.
+        (lambda llm: llm.generate([[__import__("numpy").array(3.7), 2]]), "not integers: [array(3.7)]"),
+        (lambda llm: llm.generate([[__import__("numpy").array(True), 2]]), "not integers: [array(True)]"),
         (lambda llm: llm.generate([[1], 7]), "prompt 1 is a int; a prompt is a list of token ids or a string"),
         (lambda llm: llm.generate({1: 2}), "prompts must be a list of prompts"),
     ],

@@ -480,6 +480,22 @@ def test_cli_exports_validates_and_summarises(tmp_path, capsys):
     assert "kv_cache_prefix must be" in capsys.readouterr().err
 
 
+def test_cli_reports_an_unloadable_model_and_skips_a_validation_that_cannot_fit(tmp_path, capsys):
+    """A model directory transformers cannot read gave a traceback (only ExportError was
+    caught), and --ctx-len 1 exported and then crashed in the validation."""
+    from qaic_dynamo.__main__ import main
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["export", "--model", str(empty), "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("qaic-dynamo export: ") and "Traceback" not in err
+    rc = main(["export", "--model", "llama", "--layers", "2", "--hidden-size", "64", "--out", str(tmp_path / "out"),
+               "--ctx-len", "1", "--prefill-seq-len", "1"])
+    assert rc == 0
+    assert "validation        skipped: ctx_len 1 leaves no room to generate a token" in capsys.readouterr().out
+
+
 def first_layer_differs() -> nn.Module:
     model = hf("llama", 5)
     model.model.layers[0].self_attn.scaling *= 0.5  # a constant in layer 0's graph only

@@ -47,13 +47,32 @@ def model_dir(tmp_path_factory):
     (dict(top_k=-2), r"top_k must be an int >= 1, or 0 / -1 for all tokens"),
     (dict(top_p=0.0), r"top_p must be a number in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p must be a number in \(0, 1\]"),
-    (dict(seed="7"), r"seed must be an int or None"),
+    (dict(seed="7"), r"seed must be an int in \[-2\*\*63, 2\*\*64\) \(torch.Generator's range\) or None"),
+    (dict(seed=2**64), r"seed must be an int in \[-2\*\*63, 2\*\*64\)"),  # generate() overflowed
     (dict(stop_token_ids=[1, -3]), r"stop_token_ids must be a sequence of token ids"),
+    (dict(stop_token_ids=5), r"stop_token_ids must be a sequence of token ids \(ints >= 0\) or None, got 5"),
     (dict(ignore_eos="no"), r"ignore_eos must be a bool"),
 ])
 def test_invalid_sampling_params_are_refused_with_the_valid_range(kwargs, message):
     with pytest.raises(SamplingParamsError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_sampling_params_take_what_vllm_callers_pass():
+    """A generator of stop ids was used up by validation and stored empty (the stop was
+    lost); None (vLLM's default) raised a bare TypeError; numpy ints were refused."""
+    np = pytest.importorskip("numpy")
+    assert SamplingParams(stop_token_ids=(t for t in [3, 4])).stop_token_ids == (3, 4)
+    assert SamplingParams(stop_token_ids=None).stop_token_ids == ()
+    p = SamplingParams(stop_token_ids=[np.int64(5)], seed=np.int64(7))
+    assert p.stop_token_ids == (5,) and p.seed == 7 and type(p.seed) is int
+
+
+def test_a_tiny_temperature_is_greedy():
+    """Dividing by 1e-40 overflowed the logits and multinomial raised; below 1e-5 vLLM
+    samples greedily."""
+    logits = torch.tensor([0.5, 3.0, -1.0])
+    assert Sampler.pick(logits, SamplingParams(temperature=1e-40), torch.Generator().manual_seed(0)) == 1
 
 
 def test_top_k_and_top_p_keep_only_the_likely_tokens():
@@ -101,6 +120,44 @@ def test_generation_stops_at_eos_unless_ignore_eos_and_at_stop_tokens():
     out = llm_eos.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0]
     assert out.token_ids == free[: free.index(free[2]) + 1] and out.finish_reason == "stop"
     assert llm_eos.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids == free
+
+
+def test_the_tokenizers_eos_stops_too():
+    """A checkpoint whose config and tokenizer name different EOS ids: the tokenizer's
+    was only a fallback, so generation ran past it to max_tokens (vLLM stops at both)."""
+    llm = LLM(hf_llama(eos=7), backend="eager", max_model_len=64, tokenizer=tiny_tokenizer())  # tokenizer EOS: 2
+    assert llm.sampler.is_stop_token(2, SamplingParams()) and llm.sampler.is_stop_token(7, SamplingParams())
+    assert not llm.sampler.is_stop_token(2, SamplingParams(ignore_eos=True))
+
+
+class PlainTokenizer:
+    """Only encode/decode, as the LLM docstring allows: no skip_special_tokens."""
+
+    def encode(self, text):
+        return [ord(c) % 256 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def test_a_tokenizer_with_a_plain_decode_works():
+    llm = LLM(hf_llama(), backend="eager", max_model_len=64, tokenizer=PlainTokenizer())
+    (out,) = llm.generate(["hi"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert out.prompt_token_ids == [104, 105] and out.text == "".join(chr(i) for i in out.token_ids)
+
+
+def test_max_model_len_is_bounded_by_the_models_positions():
+    """vLLM refuses a max_model_len past max_position_embeddings; the engine generated up
+    to any position without a word."""
+    from transformers import LlamaConfig
+
+    model = hf_model_from_config(LlamaConfig(num_hidden_layers=1, vocab_size=256, hidden_size=64, intermediate_size=128,
+                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16))
+    with pytest.raises(ValueError, match=r"max_model_len=64 exceeds the model's max_position_embeddings=16; "
+                                         r"pass max_model_len <= 16"):
+        LLM(model, backend="eager", max_model_len=64)
+    assert LLM(model, backend="eager").max_model_len == 16  # the default (512) is capped
+    assert LLM(hf_llama(), backend="eager").max_model_len == 512
 
 
 @pytest.mark.parametrize("backend", ["eager", "qaic"])
