@@ -49,10 +49,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from qaic_dynamo.forward_context import build_attention_metadata, set_forward_context
+from qaic_dynamo.sampling import is_token_id
 
 __all__ = ["LLM", "Request", "RequestOutput", "is_token_id", "prompt_list"]
 
@@ -457,15 +457,6 @@ class LLM:
         with torch.no_grad(), set_forward_context(md, self.kv_caches, self.kv_cache_layers):
             logits = self._fn(input_ids, pos, logits_indices)
         return logits[: len(requests)]
-
-
-def is_token_id(t: Any) -> bool:
-    """An integer (Python, numpy or a 0-d integer tensor), not a bool."""
-    if isinstance(t, torch.Tensor):
-        return t.dim() == 0 and not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool
-    if isinstance(t, np.ndarray):  # has __index__ whatever its dtype
-        return t.ndim == 0 and t.dtype.kind in "iu"
-    return hasattr(t, "__index__") and not isinstance(t, (bool, str, bytes)) and type(t).__name__ != "bool_"
 
 
 def prompt_list(prompts: Any) -> list[Any]:

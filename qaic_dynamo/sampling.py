@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["SamplingParams", "Sampler"]
+__all__ = ["SamplingParams", "Sampler", "is_token_id"]
 
 
 class SamplingParamsError(ValueError):
@@ -58,7 +58,7 @@ class SamplingParams:
         if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
             raise bad("top_p", "a number in (0, 1]")
         if self.seed is not None:
-            if not _is_int(self.seed) or not -2**63 <= int(self.seed) < 2**64:
+            if not is_token_id(self.seed) or not -2**63 <= int(self.seed) < 2**64:
                 raise bad("seed", "an int in [-2**63, 2**64) (torch.Generator's range) or None")
             object.__setattr__(self, "seed", int(self.seed))
         # Materialised first: a generator would be used up by the check and stored empty.
@@ -66,17 +66,21 @@ class SamplingParams:
         if isinstance(stops, (str, bytes)) or not isinstance(stops, Iterable):
             raise bad("stop_token_ids", "a sequence of token ids (ints >= 0) or None")
         stops = tuple(stops)
-        if not all(_is_int(t) and int(t) >= 0 for t in stops):
+        if not all(is_token_id(t) and int(t) >= 0 for t in stops):
             raise bad("stop_token_ids", "a sequence of token ids (ints >= 0) or None")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "a bool")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
 
 
-
-def _is_int(v: Any) -> bool:
-    """A Python or numpy integer, not a bool."""
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+def is_token_id(t: Any) -> bool:
+    """An integer (Python, numpy or a 0-d integer tensor), not a bool: a token id, a
+    stop id or a seed."""
+    if isinstance(t, torch.Tensor):
+        return t.dim() == 0 and not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool
+    if isinstance(t, np.ndarray):  # has __index__ whatever its dtype
+        return t.ndim == 0 and t.dtype.kind in "iu"
+    return hasattr(t, "__index__") and not isinstance(t, (bool, str, bytes)) and type(t).__name__ != "bool_"
 
 
 #: Below this a temperature is greedy, as in vLLM (dividing by it overflows the logits).
