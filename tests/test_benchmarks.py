@@ -103,6 +103,18 @@ def test_decode_latency_benchmark_smoke(tmp_path):
     assert "decode b8 qaic / eager" in out
 
 
+@pytest.mark.slow  # ~15 s on 2 cores; `make test-all` runs it
+def test_region_entry_benchmark_smoke(tmp_path):
+    out = run_benchmark("region_entry.py", tmp_path)
+    result = json.loads((tmp_path / "region_entry_quick.json").read_text())
+    regional, whole = result["engines"]["regional"]["per_call"], result["engines"]["whole"]["per_call"]
+    # 2 layers: regional runs pre + post per layer, whole one fused piece per layer (+ the ends)
+    assert regional["lookup"]["calls_per_step"] == 6  # 2 blocks + embed_tokens, rotary_emb, norm, lm_head
+    assert regional["runner call"]["calls_per_step"] > whole["runner call"]["calls_per_step"]
+    assert "lookup" not in whole and result["hot_us"]["lookup"] > 0
+    assert "block lookup:" in out and "ONNX Runtime per step" in out
+
+
 @pytest.mark.slow  # ~95 s of fresh exports on 2 cores; `make test-all` runs it
 def test_export_benchmark_smoke(tmp_path):
     out = run_benchmark("export.py", tmp_path)
