@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import numbers
 import os
 from pathlib import Path
 from collections.abc import Mapping
@@ -130,6 +131,12 @@ class CompilationConfig:
                 f"'qaic::unified_attention', got {self.splitting_ops!r}"
             )
         object.__setattr__(self, "splitting_ops", tuple(self.splitting_ops))
+        # Integers of any kind (numpy's too) become int, so that equal configs hash alike;
+        # a float such as 18.0 is refused below rather than hashed apart from 18.
+        for name in ("opset", "num_threads"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                object.__setattr__(self, name, int(value))
         for name in self.splitting_ops:
             _check_op_name(name)
         _check_choice("runtime", self.runtime, RUNTIMES)
@@ -222,7 +229,7 @@ def _environment_defaults() -> dict[str, Any]:
 
 
 def _check_choice(key: str, value: Any, valid: tuple) -> None:
-    if value not in valid or isinstance(value, bool):
+    if isinstance(value, bool) or type(value) is not type(valid[0]) or value not in valid:
         raise ConfigError(f"qaic option {key!r} must be one of {list(valid)}, got {value!r}")
 
 

@@ -401,6 +401,8 @@ def fill_into(x: torch.Tensor, out: torch.Tensor) -> None:
     ({"runtime": "tensorrt"}, "'runtime' must be one of ['onnxruntime', 'qaic']"),
     ({"fallback": "ignore"}, "'fallback' must be one of ['eager', 'error']"),
     ({"opset": 11}, "'opset' must be one of [18, 19, 20, 21, 22, 23]"),
+    ({"opset": 18.0}, "'opset' must be one of [18, 19, 20, 21, 22, 23], got 18.0"),  # would hash apart from 18
+    ({"opset": "18"}, "'opset' must be one of [18, 19, 20, 21, 22, 23], got '18'"),
     ({"splitting_ops": ["qaic::no_such_op"]}, "'qaic::no_such_op' is not a registered op"),
     ({"splitting_ops": "qaic::unified_attention"}, "must be a list of op names"),
     ({"num_threads": 0}, "'num_threads' must be a positive int"),
@@ -419,6 +421,9 @@ def test_config_hash_covers_artifact_fields_only(monkeypatch):
     assert base.compute_hash() != base.replace(runtime="qaic").compute_hash()
     assert base.compute_hash() == base.replace(dump_dir="/tmp/x", fallback="error").compute_hash()
     assert base.compute_hash() == base.replace(release_openmp_workers=False).compute_hash()  # runtime only
+    numpy = pytest.importorskip("numpy")
+    assert CompilationConfig.from_options({"opset": numpy.int64(18), "num_threads": numpy.int32(2)}) == base.replace(
+        num_threads=2)  # numpy integers are ints: the same config, the same hash
     monkeypatch.setenv("QAIC_DYNAMO_DUMP_DIR", "/tmp/from-env")
     assert CompilationConfig.from_options({}).dump_dir == "/tmp/from-env"
     assert CompilationConfig.from_options({"dump_dir": "/tmp/explicit"}).dump_dir == "/tmp/explicit"
