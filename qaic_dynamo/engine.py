@@ -168,7 +168,7 @@ class LLM:
         tokenizer: Any = None,
         seed: int = 0,
     ) -> None:
-        from qaic_dynamo.models import load_model
+        from qaic_dynamo.models import load_model, max_positions
         from qaic_dynamo.sampling import Sampler
 
         if backend not in BACKENDS:
@@ -180,14 +180,13 @@ class LLM:
                 raise ValueError(f"LLM: {name} must be a positive int, got {value!r}")
         self.model = load_model(model, layer_agnostic_kv_update=layer_agnostic_kv_update, dtype=dtype)
         self.model.eval()
-        # As vLLM: positions past the model's trained range are refused, not run (learned
-        # position tables would index out of range, RoPE models degrade silently).
-        max_positions = getattr(self._model_config(), "max_position_embeddings", None)
+        # As vLLM: positions past the model's trained range are refused, not run.
+        positions = max_positions(self.model)
         if max_model_len is None:
-            max_model_len = min(DEFAULT_MAX_MODEL_LEN, max_positions or DEFAULT_MAX_MODEL_LEN)
-        elif isinstance(max_positions, int) and max_model_len > max_positions:
+            max_model_len = min(DEFAULT_MAX_MODEL_LEN, positions or DEFAULT_MAX_MODEL_LEN)
+        elif positions is not None and max_model_len > positions:
             raise ValueError(f"LLM: max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                             f"{max_positions}; pass max_model_len <= {max_positions}")
+                             f"{positions}; pass max_model_len <= {positions}")
         self.backend = backend
         self.max_num_seqs, self.max_model_len, self.block_size = max_num_seqs, max_model_len, block_size
         blocks_per_seq = -(-max_model_len // block_size)
@@ -216,17 +215,15 @@ class LLM:
         self.tokenizer = _load_tokenizer(model, tokenizer)
         self.sampler = Sampler(self._eos_token_ids(), seed)
 
-    def _model_config(self) -> Any:
-        """The model's config: the transformers config, or the reference model's."""
-        return getattr(getattr(self.model, "hf", None), "config", None) or getattr(self.model, "config", None)
-
     def _eos_token_ids(self) -> list[int]:
         """The model's EOS token(s), from its generation or model config, and the
         tokenizer's: any of them ends a request (checkpoints whose config and tokenizer
         name different end-of-turn tokens stop at either, as in vLLM)."""
+        from qaic_dynamo.models import model_config
+
         ids: list[int] = []
         gen = getattr(getattr(self.model, "hf", None), "generation_config", None)
-        for source in (gen, self._model_config()):
+        for source in (gen, model_config(self.model)):
             eos = getattr(source, "eos_token_id", None)
             if eos is not None:
                 ids = [eos] if isinstance(eos, int) else list(eos)

@@ -101,16 +101,18 @@ class ExportError(ValueError):
 def validate_kv_cache_prefix(prefix: Any) -> str | None:
     """``prefix`` if it is a valid ``kv_cache_prefix`` (None: no prefix), else ExportError.
 
-    Alphanumeric only, as QEfficient: the prefix sits between ``past_key.{i}`` and
+    ASCII letters and digits only, as QEfficient: the prefix sits between ``past_key.{i}`` and
     ``_RetainedState``, so a dot, underscore, dash or space would make names ambiguous."""
     if prefix is None:
         return None
     if not isinstance(prefix, str):
         raise ExportError(f"kv_cache_prefix must be a string, got {type(prefix).__name__} {prefix!r}")
-    if not prefix.isalnum():
+    # ASCII: str.isalnum() also takes letters and digits of other scripts ('é', '²'), which
+    # neither the compiler's names nor is_kv_retained_state would read as part of a KV name.
+    if not (prefix.isascii() and prefix.isalnum()):
         raise ExportError(
-            f"kv_cache_prefix must be a non-empty alphanumeric string (str.isalnum(): no dots, underscores, "
-            f"dashes or spaces), got {prefix!r}; e.g. 'vllm' or 'KV0'"
+            f"kv_cache_prefix must be a non-empty string of ASCII letters and digits (no dots, underscores, "
+            f"dashes, spaces or other scripts), got {prefix!r}; e.g. 'vllm' or 'KV0'"
         )
     return prefix
 
@@ -192,6 +194,11 @@ class ExportOptions:
             raise ExportError(f"kv_precision must be one of {KV_PRECISIONS}, got {self.kv_precision!r}")
         if not isinstance(self.layerwise, bool):
             raise ExportError(f"layerwise must be a bool, got {self.layerwise!r}")
+        from qaic_dynamo.config import OPSETS
+
+        if isinstance(self.opset, bool) or type(self.opset) is not int or self.opset not in OPSETS:
+            raise ExportError(f"opset must be one of {list(OPSETS)} (the opset onnxscript's torch library emits), "
+                              f"got {self.opset!r}")
 
     @classmethod
     def from_options(cls, **options: Any) -> ExportOptions:
@@ -392,23 +399,27 @@ def _engine_model(model: Any) -> nn.Module:
 
     try:
         m = load_model(model)
-    except (TypeError, FileNotFoundError) as e:
+    except (TypeError, FileNotFoundError, NotImplementedError) as e:  # not a model, or one the qaic ops cannot run
         raise ExportError(str(e).replace("LLM:", "export_for_qaic:")) from e
     return m.eval()
 
 
 def _identity(engine_model: nn.Module) -> dict[str, Any]:
     """What distinguishes one model from another in the export hash: its class, its
-    config and a digest of its weights."""
-    cfg = getattr(engine_model, "config", None) or getattr(getattr(engine_model, "hf", None), "config", None)
+    config, the plain settings of every module (e.g. an attention's ``scaling`` set after
+    loading) and a digest of every byte of every parameter and buffer.
+
+    All of it, not a sample: the hash names the directory an export writes, so two models
+    that hashed alike would overwrite each other's artifact (measured: sha256 hashes
+    ~1.7 GB/s here, less than writing the weights takes)."""
+    from qaic_dynamo.models import model_config
+
+    cfg = model_config(engine_model)
     cfg_dict = cfg.to_dict() if hasattr(cfg, "to_dict") else (dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else repr(cfg))
-    # A sample of every tensor (its ends, shape and dtype), not all of it: the hash names
-    # a directory that each export rewrites, it never lets an export be reused.
-    h = hashlib.sha256()
-    for name, t in engine_model.state_dict().items():
-        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    h = hashlib.sha256(repr(_block_signature(engine_model, None)).encode())
+    for name, t in _weights(engine_model).items():  # non-persistent buffers too (rotary inv_freq)
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        h.update(raw[:4096].numpy().tobytes() + raw[-4096:].numpy().tobytes())
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
     return {"class": type(engine_model).__name__, "config": cfg_dict, "weights": h.hexdigest()[:16]}
 
 
@@ -949,11 +960,13 @@ class ExportResult:
 _INDEX_ATTRS = ("layer_idx", "layer_id", "layer_index", "layer_number", "idx")
 
 
-def _block_signature(block: nn.Module, index: int) -> list[tuple]:
+def _block_signature(block: nn.Module, index: int | None) -> list[tuple]:
     """What makes a block's graph: its module tree, its parameter and buffer shapes, and
     the plain settings of each module (window sizes, flags, types), with the block's own
-    index and name taken out."""
+    index and name taken out (``index`` None: nothing taken out)."""
     def setting(key: str, v: Any) -> Any:
+        if index is None:
+            return v
         if key in _INDEX_ATTRS and v == index:
             return "<index>"
         if isinstance(v, str):
@@ -1041,8 +1054,14 @@ def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int =
     opts = ExportOptions.from_options(batch_size=batch_size, prefill_seq_len=prefill_seq_len, ctx_len=ctx_len,
                                       kv_cache_prefix=kv_cache_prefix, layerwise=layerwise, **options)
     say = progress or (lambda stage, done, total: None)
+    from qaic_dynamo.models import max_positions
+
     t_start = time.perf_counter()
     engine_model = _engine_model(model)
+    positions = max_positions(engine_model)
+    if positions is not None and opts.ctx_len > positions:  # as LLM's max_model_len
+        raise ExportError(f"ctx_len={opts.ctx_len} exceeds the model's max_position_embeddings={positions}; "
+                          f"pass ctx_len <= {positions}")
     layer_names = list(engine_model.kv_cache_layers)
     shapes = engine_model.kv_cache_shapes(opts.batch_size, opts.ctx_len)
     past_shapes = [shapes[n] for n in layer_names]
@@ -1174,12 +1193,26 @@ def ort_generate(onnx_path: str | os.PathLike, prompts: Sequence[Sequence[int]],
     opts.log_severity_level = 3
     if num_threads:
         opts.intra_op_num_threads = num_threads
-    sess = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
+    try:
+        sess = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime's own exception classes
+        raise ExportError(f"ONNX Runtime cannot load {onnx_path} on the CPU: {str(e).splitlines()[0] if str(e) else e!r}"
+                          " (its CPU kernels lack bfloat16: export a bfloat16 model in float16 to run it here)") from e
     past_inputs = [i for i in sess.get_inputs() if i.name not in ("input_ids", "position_ids")]
+    others = [i.name for i in past_inputs if not is_kv_retained_state(i.name + RETAINED_STATE_SUFFIX)]
+    if others:
+        raise ExportError(f"ort_generate feeds KV caches only; {onnx_path} also takes {others} (retained buffers): "
+                          "run it with onnxruntime directly, feeding their initial values")
+    dtypes = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
+    unknown = {i.name: i.type for i in past_inputs if i.type not in dtypes}
+    if unknown:
+        raise ExportError(f"ort_generate cannot make KV caches of {unknown}; ONNX Runtime's CPU kernels take "
+                          "float32 or float16 models (export a bfloat16 model in float16 to run it here)")
     outputs = [o.name for o in sess.get_outputs()]
 
     def empty(batch: int, ctx: int) -> dict[str, Any]:
-        return {i.name: np.zeros([batch, i.shape[1], ctx, i.shape[3]], dtype=np.float32) for i in past_inputs}
+        # Each cache in its input's element type: a float16 export takes float16 caches.
+        return {i.name: np.zeros([batch, i.shape[1], ctx, i.shape[3]], dtype=dtypes[i.type]) for i in past_inputs}
 
     def step(ids: Any, pos: Any, past: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         res = sess.run(outputs, {"input_ids": ids, "position_ids": pos, **past})

@@ -79,7 +79,8 @@ def test_names_without_and_with_a_prefix():
     assert mla_names == ["compressed_kv.0_P1_RetainedState", "k_pe.0_P1_RetainedState"]
 
 
-@pytest.mark.parametrize("bad", ["", "kv.cache", "kv_cache", "kv cache", "kv-cache", 3, b"kv", ["kv"]])
+# "kvé", "KV²": str.isalnum() is true, but no KV-name pattern reads them (mxint8 became float16)
+@pytest.mark.parametrize("bad", ["", "kv.cache", "kv_cache", "kv cache", "kv-cache", 3, b"kv", ["kv"], "kvé", "KV²"])
 def test_invalid_kv_cache_prefix_is_refused(bad):
     with pytest.raises(ExportError, match="kv_cache_prefix must be"):
         validate_kv_cache_prefix(bad)
@@ -99,6 +100,8 @@ def test_valid_prefixes():
     (dict(kv_precision="int4"), "kv_precision must be one of"),
     (dict(layerwise="yes"), "layerwise must be a bool"),
     (dict(num_core=4), r"unknown export option\(s\) \['num_core'\]; valid options: \[.*'num_cores'"),
+    (dict(opset=20), r"opset must be one of \[18\] .*got 20"),  # was accepted, and an opset-18 model written
+    (dict(opset=18.0), r"opset must be one of \[18\] .*got 18.0"),
 ])
 def test_invalid_options_are_refused(options, message):
     with pytest.raises(ExportError, match=message):
@@ -463,6 +466,56 @@ def test_a_non_kv_retained_buffer_keeps_its_name(layerwise, tmp_path):
     np.testing.assert_array_equal(out["embed_tokens.vision_embeds" + SUFFIX], feeds["embed_tokens.vision_embeds"])
 
 
+def test_models_that_differ_anywhere_get_their_own_export_directory(tmp_path):
+    """The directory hash sampled each tensor's first and last 4 KiB: two models differing
+    in the middle of a tensor shared a directory, and the second export overwrote the
+    first's artifact. A module setting outside config and weights counts too."""
+    a, b, c = llama(2), llama(2), llama(2)
+    with torch.no_grad():
+        b.embed_tokens.weight[128] += 1.0  # row 128 of 256: the middle of the tensor
+    c.layers[0].self_attn.scale *= 0.5  # not in the config, not a weight
+    dirs = [export_for_qaic(m, tmp_path, run_compiler=False, **SHAPE).export_dir for m in (a, b, c)]
+    assert len(set(dirs)) == 3, dirs
+    assert export_for_qaic(llama(2), tmp_path, run_compiler=False, **SHAPE).export_dir == dirs[0]  # same model, same dir
+
+
+def test_ctx_len_past_the_models_positions_is_refused(tmp_path):
+    model = hf("llama", 2)
+    limit = model.config.max_position_embeddings
+    with pytest.raises(ExportError, match=f"ctx_len={limit + 1} exceeds the model's max_position_embeddings={limit}"):
+        export_for_qaic(model, tmp_path, ctx_len=limit + 1, prefill_seq_len=8)
+
+
+def test_an_architecture_the_qaic_ops_cannot_run_is_an_export_error(tmp_path, monkeypatch):
+    from qaic_dynamo.models import hf as qhf
+
+    # As for a hybrid model (Jamba) or non-causal attention: HFCausalLM raises NotImplementedError.
+    monkeypatch.setattr(qhf, "unsupported_attention_features", lambda config, layers: ["non-causal attention (x)"])
+    with pytest.raises(ExportError, match="non-causal attention"):
+        export_for_qaic(hf("llama", 2), tmp_path, **SHAPE)
+
+
+def test_a_float16_export_runs_on_onnx_runtime_with_float16_caches(tmp_path):
+    """ort_generate fed float32 caches to every export: a float16 model (a local float16
+    checkpoint) failed its validation."""
+    model = llama(2).half()
+    result = export_for_qaic(model, tmp_path, run_compiler=False, **SHAPE)
+    got, _ = ort_generate(result.onnx_path, PROMPTS, 3, SHAPE["prefill_seq_len"])
+    assert got == LLM(model, backend="eager", max_model_len=SHAPE["ctx_len"]).generate(PROMPTS, 3)
+
+
+def test_ort_generate_names_what_it_cannot_feed(tmp_path):
+    model = llama(2)
+    model.embed_tokens = VisionEmbeds(model.embed_tokens)
+    result = export_for_qaic(model, tmp_path / "v", retained_buffers=["embed_tokens.vision_embeds"], run_compiler=False,
+                             **SHAPE)
+    with pytest.raises(ExportError, match=r"feeds KV caches only; .* also takes \['embed_tokens.vision_embeds'\]"):
+        ort_generate(result.onnx_path, PROMPTS, 2, SHAPE["prefill_seq_len"])
+    bf16 = export_for_qaic(hf("llama", 2).to(torch.bfloat16), tmp_path / "b", run_compiler=False, **SHAPE)
+    with pytest.raises(ExportError, match="ONNX Runtime cannot load .* bfloat16"):
+        ort_generate(bf16.onnx_path, PROMPTS, 2, SHAPE["prefill_seq_len"])
+
+
 # --- command line ----------------------------------------------------------------------------
 
 
@@ -494,6 +547,23 @@ def test_cli_reports_an_unloadable_model_and_skips_a_validation_that_cannot_fit(
                "--ctx-len", "1", "--prefill-seq-len", "1"])
     assert rc == 0
     assert "validation        skipped: ctx_len 1 leaves no room to generate a token" in capsys.readouterr().out
+    # Past the model's positions (the built-in llama's 2048): refused up front, no traceback
+    assert main(["export", "--model", "llama", "--layers", "2", "--hidden-size", "64", "--out", str(tmp_path / "out"),
+                 "--ctx-len", "4096"]) == 1
+    assert "ctx_len=4096 exceeds the model's max_position_embeddings=2048" in capsys.readouterr().err
+
+
+def test_cli_skips_validating_a_bfloat16_export(tmp_path, capsys):
+    from qaic_dynamo.__main__ import main
+
+    hf("llama", 2).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert main(["export", "--model", str(tmp_path / "bf16"), "--out", str(tmp_path / "out"), "--ctx-len", "32",
+                 "--prefill-seq-len", "8"]) == 0
+    assert "validation        skipped: the model is bfloat16" in capsys.readouterr().out
+    hf("llama", 2).to(torch.float16).save_pretrained(tmp_path / "fp16")  # failed its validation (float32 caches)
+    assert main(["export", "--model", str(tmp_path / "fp16"), "--out", str(tmp_path / "out"), "--ctx-len", "32",
+                 "--prefill-seq-len", "8"]) == 0
+    assert "ONNX Runtime greedy tokens == eager PyTorch" in capsys.readouterr().out
 
 
 def first_layer_differs() -> nn.Module:

@@ -37,6 +37,8 @@ __all__ = [
     "QaicMLAForCausalLM",
     "QaicModelConfig",
     "REFERENCE_MODELS",
+    "max_positions",
+    "model_config",
     "copy_module_tree",
     "hf_config",
     "hf_model_from_config",
@@ -121,6 +123,21 @@ def _build(source: str) -> nn.Module:
         f"LLM: {source!r} is neither a local model directory nor a reference model "
         f"({sorted(REFERENCE_MODELS)}); models are never downloaded"
     )
+
+
+def model_config(model: nn.Module) -> Any:
+    """The config of a model as :func:`load_model` returns it: the transformers config, or
+    the reference model's (None if it has neither)."""
+    return getattr(getattr(model, "hf", None), "config", None) or getattr(model, "config", None)
+
+
+def max_positions(model: nn.Module) -> int | None:
+    """The model's ``max_position_embeddings`` (the positions it was trained for), if its
+    config names one. The engine and the deployment export both refuse a context longer
+    than this, as vLLM does: learned position tables would index out of range, and RoPE
+    models degrade silently."""
+    n = getattr(model_config(model), "max_position_embeddings", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
 def load_model(model: Any, layer_agnostic_kv_update: bool = True, dtype: torch.dtype | None = None) -> nn.Module:
