@@ -83,10 +83,10 @@ def disaggregated(model, prompts, max_tokens, slots: int, ctx: int, backend: str
     with DisaggregatedServer(model, decode_slots=slots, ctx_len=ctx, chunk_size=64, transport=transport,
                              backend=backend) as server:
         server.generate([prompts[0][:4]], 2)  # warm-up: both workers compile
-        for r in server.generate(prompts, max_tokens):
+        results = server.generate(prompts, max_tokens)
+        for r in results:
             if r.error:
                 raise RuntimeError(r.error)
-        results = [server.results[i] for i in sorted(server.results)][1:]
     return summarize(results)
 
 

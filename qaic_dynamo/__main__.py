@@ -219,9 +219,12 @@ def serve_command(args: argparse.Namespace) -> int:
         else:
             print(f"{head}  TTFT {r.ttft * 1e3:8.1f} ms  tokens {r.token_ids}")
     s = summarize(results)
-    print(f"summary: {s['requests']} requests, {s['failed']} failed; TTFT median {s['ttft_median_s'] * 1e3:.1f} ms, "
-          f"p90 {s['ttft_p90_s'] * 1e3:.1f} ms; decode {s['decode_tokens_per_s']:.1f} tokens/s; "
-          f"KV bytes moved per hand-off {s['kv_bytes_per_handoff']:,.0f}")
+    if s["failed"] == s["requests"]:
+        print(f"summary: {s['requests']} requests, all failed")
+    else:
+        print(f"summary: {s['requests']} requests, {s['failed']} failed; TTFT median {s['ttft_median_s'] * 1e3:.1f} "
+              f"ms, p90 {s['ttft_p90_s'] * 1e3:.1f} ms; decode {s['decode_tokens_per_s']:.1f} tokens/s; "
+              f"KV bytes moved per hand-off {s['kv_bytes_per_handoff']:,.0f}")
     return 0 if not s["failed"] else 1
 
 

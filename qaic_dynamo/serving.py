@@ -51,7 +51,7 @@ import socket
 import statistics
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
 from typing import Any
@@ -453,10 +453,10 @@ def _make_transport(kind: str, decode: SharedKVBuffers | None, shapes: dict, dty
 
 
 def _prefill_worker(model: Any, cfg: dict, descriptor: dict, jobs: Any, handoffs: Any, events: Any) -> None:
-    torch.set_num_threads(cfg["threads"])
-    decode = SharedKVBuffers.attach(descriptor) if cfg["transport"] != "gloo" else None
-    transport = None
-    try:
+    decode = transport = None
+    try:  # everything inside: an error anywhere is posted, not left for the server to time out on
+        torch.set_num_threads(cfg["threads"])
+        decode = SharedKVBuffers.attach(descriptor) if cfg["transport"] != "gloo" else None
         session = Session(model, "prefill", num_slots=cfg["slots"], ctx_len=cfg["ctx_len"], stages=cfg["stages"],
                           backend=cfg["backend"], kv_cache_prefix=cfg["kv_cache_prefix"])
         staging_slots = len(session.execution_slots)
@@ -499,10 +499,10 @@ def _prefill_worker(model: Any, cfg: dict, descriptor: dict, jobs: Any, handoffs
 def _decode_worker(model: Any, cfg: dict, descriptor: dict, handoffs: Any, events: Any) -> None:
     from qaic_dynamo.engine import Request
 
-    torch.set_num_threads(cfg["threads"])
-    decode = SharedKVBuffers.attach(descriptor)
-    transport = None
-    try:
+    decode = transport = None
+    try:  # everything inside: an error anywhere is posted, not left for the server to time out on
+        torch.set_num_threads(cfg["threads"])
+        decode = SharedKVBuffers.attach(descriptor)
         session = Session(model, "decode", num_slots=cfg["slots"], ctx_len=cfg["ctx_len"], backend=cfg["backend"],
                           kv_cache_prefix=cfg["kv_cache_prefix"])
         session.set_data_with_slices(decode.tensors, {})  # decode runs every slot of the shared buffers
@@ -551,7 +551,8 @@ def _decode_worker(model: Any, cfg: dict, descriptor: dict, handoffs: Any, event
     finally:
         if transport is not None:
             transport.close()
-        decode.close()
+        if decode is not None:
+            decode.close()
 
 
 def _finished(req: Any, job: _Job) -> bool:
@@ -603,8 +604,14 @@ class DisaggregatedServer:
             raise ValueError(f"DisaggregatedServer: transport must be one of {list(TRANSPORTS)}, got {transport!r}")
         for name, v in (("decode_slots", decode_slots), ("ctx_len", ctx_len), ("chunk_size", chunk_size),
                         ("prefill_stages", prefill_stages)):
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"DisaggregatedServer: {name} must be a positive int, got {v!r}")
+        from qaic_dynamo.engine import BACKENDS
+
+        if not isinstance(threads_per_worker, int) or isinstance(threads_per_worker, bool) or threads_per_worker < 1:
+            raise ValueError(f"DisaggregatedServer: threads_per_worker must be a positive int, got {threads_per_worker!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"DisaggregatedServer: backend must be one of {list(BACKENDS)}, got {backend!r}")
         if gloo_init_method is not None and transport != "gloo":
             raise ValueError(f"DisaggregatedServer: gloo_init_method is the gloo transport's rendezvous, but the "
                              f"transport is {transport!r}; pass transport='gloo' or drop gloo_init_method")
@@ -622,8 +629,11 @@ class DisaggregatedServer:
         self._prefill = self._decode = None
         self._ids = itertools.count()
         self._syncs = itertools.count()
-        self.results: dict[int, RequestResult] = {}
+        self.results: dict[int, RequestResult] = {}  # the running generate() call's requests
         self.restarts = 0
+        # Why the workers may still hold requests no generate() call tracks (a call that
+        # ended by an exception): slots would then be reused under them. None: clean.
+        self._unusable: str | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
     def __enter__(self) -> DisaggregatedServer:
@@ -636,6 +646,9 @@ class DisaggregatedServer:
     def start(self) -> None:
         from qaic_dynamo.models import load_model
 
+        if self.buffers is not None:
+            raise RuntimeError("DisaggregatedServer: already started; stop() it before starting it again")
+        self._unusable = None
         try:
             probe = load_model(self.model)
             shapes = probe.kv_cache_shapes(self.cfg["slots"], self.ctx_len)
@@ -665,10 +678,18 @@ class DisaggregatedServer:
         deadline = time.monotonic() + self.startup_timeout
         while keys:
             try:
-                kind, who, payload = self._events.get(timeout=max(0.1, deadline - time.monotonic()))
+                kind, who, payload = self._events.get(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
             except queue.Empty:
-                raise RuntimeError(f"DisaggregatedServer: no {what} from {sorted(keys)} in "
-                                   f"{self.startup_timeout:.0f} s") from None
+                # A worker killed (out of memory, a signal) or crashed before it could post
+                # an event says nothing: look, rather than wait out the timeout.
+                for name, proc in (("prefill", self._prefill), ("decode", self._decode)):
+                    if proc is not None and proc.exitcode is not None:
+                        raise RuntimeError(f"DisaggregatedServer: the {name} worker exited (exit code {proc.exitcode}) "
+                                           f"while waiting for its {what}") from None
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"DisaggregatedServer: no {what} from {sorted(keys)} in "
+                                       f"{self.startup_timeout:.0f} s") from None
+                continue
             if kind == "worker_error":
                 raise RuntimeError(f"DisaggregatedServer: the {who} worker failed:\n{payload}")
             if match(kind, who, payload):
@@ -702,16 +723,19 @@ class DisaggregatedServer:
 
     # -- serving --------------------------------------------------------------------------
     def validate(self, prompt: Sequence[int], max_tokens: int) -> None:
-        """Reject, before anything is written, a request that cannot be served."""
-        if not prompt:
+        """Reject, before anything is written, a request that cannot be served. A prompt
+        is a sequence of token ids (a list, a 1-d tensor or array)."""
+        from qaic_dynamo.sampling import is_token_id
+
+        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
+            raise TypeError(f"DisaggregatedServer: a prompt must be a sequence of token ids, got {type(prompt).__name__}")
+        if len(prompt) == 0:
             raise ValueError("DisaggregatedServer: empty prompt")
-        if not isinstance(max_tokens, int) or max_tokens < 1:
+        if not is_token_id(max_tokens) or max_tokens < 1:
             raise ValueError(f"DisaggregatedServer: max_tokens must be a positive int, got {max_tokens!r}")
         if len(prompt) + max_tokens > self.ctx_len:
             raise ValueError(f"DisaggregatedServer: prompt ({len(prompt)} tokens) + max_tokens={max_tokens} would not fit "
                              f"in a slot's ctx_len={self.ctx_len}; shorten it or start the server with a larger ctx_len")
-        from qaic_dynamo.engine import is_token_id
-
         not_ids = [t for t in prompt if not is_token_id(t)]
         if not_ids:
             raise TypeError(f"DisaggregatedServer: token ids that are not integers: {not_ids[:5]}")
@@ -724,19 +748,31 @@ class DisaggregatedServer:
         """Serve ``prompts`` (greedy) and return one result per prompt, in order. Every
         request is validated before any is started. A request held by a prefill worker
         that died comes back with ``error`` set; the others are served."""
+        from qaic_dynamo.sampling import SamplingParams, is_token_id
+
         if self.buffers is None:
             raise RuntimeError("DisaggregatedServer: not started (use it as a context manager or call start())")
-        counts = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+        if self._unusable is not None:
+            raise RuntimeError(f"DisaggregatedServer: {self._unusable}; stop() and start() the server again")
+        if self.transport == "gloo" and self._prefill is None:  # _prefill_died could not replace it
+            raise RuntimeError("DisaggregatedServer: the prefill worker died and the gloo transport cannot replace it; "
+                               "stop() and start() the server again")
+        # One count (an int, numpy's too) for every prompt, or one per prompt; anything else
+        # (a bool) goes to validate, which names it.
+        one = is_token_id(max_tokens) or not isinstance(max_tokens, Iterable)
+        counts = [max_tokens] * len(prompts) if one else list(max_tokens)
         if len(counts) != len(prompts):
             raise ValueError("DisaggregatedServer: one max_tokens per prompt")
         for p, n in zip(prompts, counts):
             self.validate(p, n)
+        stops = SamplingParams(stop_token_ids=stop_token_ids).stop_token_ids  # the engine's check and form
         waiting = []
+        self.results = {}  # this call's requests only: results do not pile up across calls
         for p, n in zip(prompts, counts):
             rid = next(self._ids)
             ids = [int(t) for t in p]  # numpy or 0-d tensor ids become plain ints here
             self.results[rid] = RequestResult(rid, ids, submitted=time.perf_counter())
-            waiting.append(_Job(rid, ids, n, tuple(stop_token_ids), -1))
+            waiting.append(_Job(rid, ids, int(n), stops, -1))
         order = [j.request_id for j in waiting]
         free = list(range(self.cfg["slots"]))
         capacity = self.cfg["stages"] + 1  # prefill holds at most its execution slots
@@ -759,6 +795,19 @@ class DisaggregatedServer:
                 if progress is not None:
                     progress(r)
 
+        try:
+            self._serve(waiting, at_prefill, active, free, capacity, on_event, deadline, timeout)
+        except BaseException as e:
+            if at_prefill or active:
+                # The workers still hold these requests and their slots; a later call
+                # must not hand the slots out again.
+                self._unusable = (f"an earlier generate() ended ({type(e).__name__}) with {len(at_prefill) + len(active)}"
+                                  " request(s) still in the workers")
+            raise
+        return [self.results[rid] for rid in order]
+
+    def _serve(self, waiting: list[_Job], at_prefill: dict[int, _Job], active: dict[int, _Job], free: list[int],
+               capacity: int, on_event: Any, deadline: float, timeout: float) -> None:
         while waiting or at_prefill or active:
             while waiting and free and len(at_prefill) < capacity:
                 job = waiting.pop(0)
@@ -778,7 +827,6 @@ class DisaggregatedServer:
                 raise RuntimeError(f"DisaggregatedServer: the decode worker died (exit code {self._decode.exitcode})")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"DisaggregatedServer: requests not finished after {timeout:.0f} s")
-        return [self.results[rid] for rid in order]
 
     def _prefill_died(self, at_prefill: dict[int, _Job], free: list[int], waiting: list[_Job], on_event: Any) -> None:
         """Fail the requests the dead prefill worker held, never a slot decode still uses:
@@ -806,12 +854,14 @@ class DisaggregatedServer:
         self._wait_for(lambda kind, who, payload: kind == "ready", {"prefill"}, "restart", on_other=on_event)
 
 
-def summarize(results: Sequence[RequestResult]) -> dict[str, float]:
-    """TTFT median / p90 (s), decode tokens/s and KV bytes moved per hand-off."""
+def summarize(results: Sequence[RequestResult]) -> dict[str, float | None]:
+    """Request and failure counts, TTFT median / p90 (s), decode tokens/s and KV bytes moved
+    per hand-off (None when no request was served)."""
     ok = [r for r in results if r.error is None and r.ttft is not None]
     ttfts = sorted(r.ttft for r in ok)
-    if not ok:
-        return {}
+    if not ok:  # nothing was served: counts only, every figure None
+        return {"requests": len(results), "failed": len(results), "ttft_median_s": None, "ttft_p90_s": None,
+                "decode_tokens_per_s": None, "kv_bytes_per_handoff": None, "wall_s": None}
     start = min(r.submitted for r in ok)
     end = max(r.finished or 0 for r in ok)
     decode_tokens = sum(max(0, len(r.token_ids) - 1) for r in ok)

@@ -18,6 +18,7 @@ import torch
 
 from qaic_dynamo import LLM
 from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM, QaicMLAConfig, QaicMLAForCausalLM
+from qaic_dynamo.sampling import SamplingParamsError
 from qaic_dynamo.serving import (
     SHM_PREFIX,
     DisaggregatedServer,
@@ -113,6 +114,11 @@ def test_bad_server_arguments_are_refused_before_any_worker_starts():
         DisaggregatedServer(model, transport="shm", gloo_init_method="tcp://127.0.0.1:29500")
     with pytest.raises(ValueError, match="decode_slots must be a positive int, got 0"):
         DisaggregatedServer(model, decode_slots=0)
+    # Both killed the workers before they could report, and start() waited out its timeout.
+    with pytest.raises(ValueError, match="threads_per_worker must be a positive int, got 0"):
+        DisaggregatedServer(model, threads_per_worker=0)
+    with pytest.raises(ValueError, match=r"backend must be one of \['qaic', 'eager', 'inductor'\], got 'onnx'"):
+        DisaggregatedServer(model, backend="onnx")
 
 
 def test_prefill_writes_straight_into_the_decode_slot():
@@ -288,6 +294,69 @@ def test_a_request_that_does_not_fit_is_rejected_before_any_write():
             server.generate([[999]], 2)
         with pytest.raises(TypeError, match=r"token ids that are not integers: \[True\]"):
             server.generate([[True, 5]], 2)  # not served as token 1
+        with pytest.raises(ValueError, match="max_tokens must be a positive int, got True"):
+            server.generate([[1, 2]], True)  # was served as 1 token
+        with pytest.raises(SamplingParamsError, match="stop_token_ids must be"):
+            server.generate([[1, 2]], 2, stop_token_ids=[1.5])
+        assert server.results == {}  # nothing registered by a refused call
+        # A tensor or array prompt (as LLM.generate takes), numpy counts, no stop ids: served
+        import numpy as np
+
+        got = server.generate([torch.tensor([1, 2, 3]), np.array([4, 5])], np.int64(2), stop_token_ids=None)
+        assert [r.token_ids for r in got] == eager_tokens(server.model, [[1, 2, 3], [4, 5]], [2, 2])
+
+
+def test_a_generate_that_raises_leaves_the_server_refusing_until_restarted():
+    """A generate() that ended by an exception (its timeout, a raising progress callback,
+    Ctrl-C) left its requests in the workers: the next call saw their events (KeyError)
+    and would have handed their decode slots to new prompts."""
+    model = llama(1)
+    with DisaggregatedServer(model, decode_slots=2, ctx_len=96, chunk_size=4, backend="eager",
+                             chunk_delay=0.1) as server:
+        with pytest.raises(TimeoutError, match="not finished after 0 s"):
+            server.generate([[5] * 40, [6] * 40], 40, timeout=0.3)
+        with pytest.raises(RuntimeError, match=r"an earlier generate\(\) ended \(TimeoutError\) with 2 request\(s\) "
+                                               r"still in the workers; stop\(\) and start\(\) the server again"):
+            server.generate([[7] * 3], 2)
+        with pytest.raises(RuntimeError, match="already started; stop"):
+            server.start()  # leaked the first workers and their shared memory
+        server.stop()
+        server.start()
+        got = server.generate([[7] * 3, [8] * 5], 3)
+    assert [r.token_ids for r in got] == eager_tokens(model, [[7] * 3, [8] * 5], [3, 3])
+
+
+def test_a_worker_that_dies_before_it_reports_fails_the_start_at_once():
+    """A worker killed during start-up posts nothing: start() waited its whole timeout
+    (600 s by default), then said "no start"."""
+    server = DisaggregatedServer(llama(1), decode_slots=2, ctx_len=64, backend="eager", startup_timeout=300)
+
+    def killer():
+        while server._decode is None or server._decode.pid is None:
+            time.sleep(0.01)
+        os.kill(server._decode.pid, signal.SIGKILL)
+
+    threading.Thread(target=killer, daemon=True).start()
+    with pytest.raises(RuntimeError, match=r"the decode worker exited \(exit code -9\) while waiting for its start"):
+        server.start()
+    assert server.buffers is None  # stopped: shared memory unlinked
+
+
+def test_after_the_gloo_prefill_worker_died_generate_fails_at_once():
+    with DisaggregatedServer(llama(1), decode_slots=2, ctx_len=64, transport="gloo", backend="eager") as server:
+        os.kill(server.prefill_pid, signal.SIGKILL)
+        time.sleep(0.5)
+        assert "the prefill worker died (exit code -9)" in server.generate([[4, 5]], 2, timeout=60)[0].error
+        with pytest.raises(RuntimeError, match="prefill worker died and the gloo transport cannot replace it"):
+            server.generate([[6, 7]], 2, timeout=60)  # spun until its timeout
+
+
+def test_summary_of_a_run_where_every_request_failed():
+    from qaic_dynamo.serving import RequestResult, summarize
+
+    failed = [RequestResult(i, [1, 2], submitted=0.0, error="the prefill worker died") for i in range(3)]
+    s = summarize(failed)  # was {}, and the CLI's summary line raised KeyError
+    assert (s["requests"], s["failed"], s["ttft_median_s"], s["decode_tokens_per_s"]) == (3, 3, None, None)
 
 
 def test_cli_serves_a_prompt_file(tmp_path, capsys):
