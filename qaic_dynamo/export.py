@@ -893,12 +893,18 @@ def custom_io_yaml(output_names: Sequence[str], precision: str = "float16",
 
 
 def specializations(options: ExportOptions) -> dict[str, Any]:
-    """``specializations.json``: a Prefill and a Decode entry."""
-    def entry(name: str, batch: int, seq: int) -> dict[str, Any]:
-        return {"name": name, "symbols": {"batch_size": str(batch), "seq_len": str(seq), "ctx_len": str(options.ctx_len)}}
+    """``specializations.json``: a Prefill and a Decode entry, both at ``batch_size``.
 
-    return {"specializations": [entry("Prefill", 1, options.prefill_seq_len),
-                                entry("Decode", options.batch_size, 1)]}
+    The KV buffers' first dimension is the ``batch_size`` symbol, and a retained-state
+    buffer keeps one shape on the card across specializations: a batch-1 Prefill beside a
+    batch-N Decode would give it two. QEfficient prefills at batch 1 only with continuous
+    batching, where the KV has a ``full_batch_size`` dimension of its own and a
+    ``batch_index`` input picks the row - which this export does not have."""
+    def entry(name: str, seq: int) -> dict[str, Any]:
+        return {"name": name, "symbols": {"batch_size": str(options.batch_size), "seq_len": str(seq),
+                                          "ctx_len": str(options.ctx_len)}}
+
+    return {"specializations": [entry("Prefill", options.prefill_seq_len), entry("Decode", 1)]}
 
 
 def compile_command(onnx_path: Path, qpc_dir: Path, custom_io: Path, specs: Path, options: ExportOptions,

@@ -155,7 +155,8 @@ def test_custom_io_keeps_non_kv_buffers_at_their_own_precision(prefix):
 def test_specializations_have_prefill_and_decode():
     specs = specializations(ExportOptions(batch_size=4, prefill_seq_len=16, ctx_len=256))
     assert specs == {"specializations": [
-        {"name": "Prefill", "symbols": {"batch_size": "1", "seq_len": "16", "ctx_len": "256"}},
+        # batch 4 in both: the retained KV (first dimension batch_size) keeps one shape (it had 1 in Prefill)
+        {"name": "Prefill", "symbols": {"batch_size": "4", "seq_len": "16", "ctx_len": "256"}},
         {"name": "Decode", "symbols": {"batch_size": "4", "seq_len": "1", "ctx_len": "256"}},
     ]}
 
