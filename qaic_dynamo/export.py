@@ -1078,7 +1078,8 @@ def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int =
         raise ExportError(f"retained_buffers {unknown} are not buffers of the model; its buffers: {sorted(buffers)}")
     retained = list(opts.retained_buffers)
     weights = _weights(engine_model, exclude=retained)
-    digest = opts.compute_hash(_identity(engine_model))
+    identity = _identity(engine_model)  # hashes every weight: once
+    digest = opts.compute_hash(identity)
     export_dir = Path(out_dir) / digest
     export_dir.mkdir(parents=True, exist_ok=True)
     seconds: dict[str, float] = {}
@@ -1161,7 +1162,7 @@ def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int =
     qpc_dir = export_dir / f"qpc-{qpc_hash}"
     cmd = compile_command(onnx_path, qpc_dir, custom_io, specs_path, opts, compiler)
     (export_dir / "export_params.json").write_text(json.dumps(
-        {"hash": digest, "options": opts.as_dict(), "model": _identity(engine_model),
+        {"hash": digest, "options": opts.as_dict(), "model": identity,
          "compile": {"hash": qpc_hash, "command": cmd}}, indent=2, sort_keys=True, default=str) + "\n")
     compiled, log = False, None
     if run_compiler and compiler.exists() and os.access(compiler, os.X_OK):
