@@ -170,7 +170,9 @@ def _model_arg(args: argparse.Namespace) -> object | None:
     from pathlib import Path
 
     if Path(args.model).is_dir():
-        return args.model
+        # As a path, never a bare name: a directory called "llama" is that model, not the
+        # built-in one.
+        return str(Path(args.model).resolve())
     if args.model not in ("llama", "qwen2", "mistral", "mla"):
         print(f"qaic-dynamo: --model {args.model!r} is neither a built-in model (llama, qwen2, mistral, mla) "
               "nor a local directory", file=sys.stderr)
@@ -242,7 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_arguments(sub.add_parser("serve-disagg", help="serve prompts with disaggregated prefill and decode"))
     args = parser.parse_args(argv)
     if args.command == "demo":
-        return demo.run(args)
+        try:
+            return demo.run(args)
+        except ValueError as e:  # bad flags for this model (e.g. a context past its positions)
+            print(f"qaic-dynamo demo: {e}", file=sys.stderr)
+            return 2
     if args.command == "export":
         return export_command(args)
     if args.command == "serve-disagg":

@@ -59,7 +59,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_model(args: argparse.Namespace) -> Any:
-    from qaic_dynamo.models import QaicMLAConfig, QaicMLAForCausalLM, hf_config, hf_model_from_config
+    from qaic_dynamo.models import (
+        QaicMLAConfig,
+        QaicMLAForCausalLM,
+        has_weights,
+        hf_config,
+        hf_model_from_config,
+        local_model,
+    )
 
     if args.model == "mla" and not args.config:
         torch.manual_seed(args.seed)
@@ -68,6 +75,12 @@ def build_model(args: argparse.Namespace) -> Any:
             vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
             num_hidden_layers=args.layers or 16, num_attention_heads=8, kv_lora_rank=128,
             qk_nope_head_dim=hidden // 8, qk_rope_head_dim=32, v_head_dim=hidden // 8))
+    if args.config and has_weights(args.config):
+        # A model directory with weights: the demo runs that model, as LLM(directory) does.
+        if args.layers or args.hidden_size:
+            raise ValueError(f"demo: --config {args.config} holds weights, so its shape is fixed; drop --layers and "
+                             "--hidden-size (or point --config at a config.json to build a resized random model)")
+        return local_model(args.config)
     if args.config:
         cfg = hf_config(args.config)
     else:
@@ -76,9 +89,13 @@ def build_model(args: argparse.Namespace) -> Any:
             d["sliding_window"] = 4096
         cfg = hf_config(d)
     if args.layers:
+        # Per-layer lists (layer_types, SmolLM3's no_rope_layers, ...) follow the new depth:
+        # cut, or extended with their last entry.
+        old = cfg.num_hidden_layers
+        for key, value in list(vars(cfg).items()):
+            if isinstance(value, list) and len(value) == old and old > 0:
+                setattr(cfg, key, value[: args.layers] + [value[-1]] * (args.layers - len(value)))
         cfg.num_hidden_layers = args.layers
-        if getattr(cfg, "layer_types", None):
-            cfg.layer_types = cfg.layer_types[: args.layers] + [cfg.layer_types[-1]] * (args.layers - len(cfg.layer_types))
     if args.hidden_size:
         cfg.head_dim = args.hidden_size // cfg.num_attention_heads
         cfg.hidden_size = args.hidden_size

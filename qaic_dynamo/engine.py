@@ -199,6 +199,9 @@ class LLM:
             for name, shapes in self.model.kv_cache_shapes(self.num_blocks, block_size).items()
         }
         self.kv_cache_layers = self.model.kv_cache_layers
+        # With "from_forward_context" every layer's update advances the context's layer
+        # index, so after a forward it must have reached the last layer (checked per step).
+        self._counts_kv_writes = layer_agnostic_kv_update
         self._free_blocks = collections.deque(range(self.num_blocks))
         if backend == "eager":
             self._fn = self.model
@@ -451,8 +454,18 @@ class LLM:
             torch._dynamo.maybe_mark_dynamic(t, 0)
         md = build_attention_metadata(seq_lens, q_lens, [r.block_ids for r in requests], self.block_size,
                                       num_tokens=num_tokens)
-        with torch.no_grad(), set_forward_context(md, self.kv_caches, self.kv_cache_layers):
+        with torch.no_grad(), set_forward_context(md, self.kv_caches, self.kv_cache_layers) as ctx:
             logits = self._fn(input_ids, pos, logits_indices)
+            written = ctx.kv_cache_layer_index
+        if self._counts_kv_writes and written != len(self.kv_cache_layers):
+            # A layer whose attention bypasses the qaic ops (transformers' GPT-J and Falcon
+            # attention never call the attention interface) computed without its cache, and
+            # the next step would read a cache it never wrote: never return such logits.
+            raise RuntimeError(
+                f"execute_model: the model wrote the KV cache of {written} of its {len(self.kv_cache_layers)} "
+                "attention layers in this forward; its attention does not go through the qaic ops for every layer "
+                "(for a transformers model: it does not call the attention interface), so the engine cannot run it"
+            )
         return logits[: len(requests)]
 
 

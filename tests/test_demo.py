@@ -51,3 +51,60 @@ def test_demo_prints_text_when_the_model_directory_has_a_tokenizer(tmp_path):
     text = proc.stdout.split("generated text (compiled):", 1)[1]
     lines = re.findall(r"^  \[\d\] '(.*)'$", text, re.M)
     assert len(lines) == 4 and all(re.fullmatch(r"(w\d+ ?)+|", line.replace("<unk>", "")) for line in lines), text
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "qaic_dynamo", *args], capture_output=True, text=True, timeout=600,
+                          cwd=cwd)
+
+
+def test_demo_runs_the_weights_of_a_model_directory(tmp_path):
+    """--config DIR with weights built a random model from the directory's config."""
+    import torch
+    from transformers import LlamaConfig
+
+    from qaic_dynamo import demo
+    from qaic_dynamo.models import hf_model_from_config
+
+    hf = hf_model_from_config(LlamaConfig(num_hidden_layers=2, vocab_size=256, hidden_size=64, intermediate_size=128,
+                                          num_attention_heads=4, num_key_value_heads=2), seed=5)
+    hf.save_pretrained(tmp_path)
+    args = demo.argparse.Namespace(model="llama", config=str(tmp_path), layers=None, hidden_size=None, seed=0)
+    built = demo.build_model(args)
+    assert all(torch.equal(a, b) for a, b in zip(built.state_dict().values(), hf.state_dict().values()))
+    proc = run_cli("demo", "--config", str(tmp_path), "--layers", "4")
+    assert proc.returncode == 2 and "holds weights, so its shape is fixed" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_demo_layers_resize_every_per_layer_list_and_bad_lengths_are_reported(tmp_path):
+    import json
+
+    from qaic_dynamo import demo
+
+    (tmp_path / "smollm3.json").write_text(json.dumps(dict(
+        model_type="smollm3", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, no_rope_layers=[1, 1, 1, 0], pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)))
+    args = demo.argparse.Namespace(model="llama", config=str(tmp_path / "smollm3.json"), layers=6, hidden_size=None,
+                                   seed=0)
+    model = demo.build_model(args)  # IndexError before: no_rope_layers kept 4 entries for 6 layers
+    assert model.config.no_rope_layers == [1, 1, 1, 0, 0, 0] and model.config.num_hidden_layers == 6
+    proc = run_cli("demo", "--model", "llama", "--layers", "1", "--hidden-size", "64", "--max-new-tokens", "3000")
+    assert proc.returncode == 2 and "exceeds the model's max_position_embeddings" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_takes_a_directory_named_like_a_built_in_model_as_that_directory(tmp_path):
+    from qaic_dynamo.__main__ import _model_arg
+    from qaic_dynamo.demo import argparse
+
+    (tmp_path / "llama").mkdir()
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        got = _model_arg(argparse.Namespace(model="llama", layers=None, hidden_size=None, seed=0))
+    finally:
+        os.chdir(cwd)
+    assert got == str(tmp_path / "llama")  # was "llama": the built-in model

@@ -151,6 +151,10 @@ def test_bad_constructor_arguments():
         LLM("meta-llama/Llama-3-8B")
     with pytest.raises(TypeError, match="cannot run a Linear"):
         LLM(torch.nn.Linear(2, 2))
+    base = hf_model_from_config(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                            num_attention_heads=4, num_key_value_heads=2)).model
+    with pytest.raises(TypeError, match="LlamaModel has no language-model head"):  # failed at the first step
+        LLM(base, backend="eager")
 
 
 def test_local_model_directory(tmp_path):
@@ -160,6 +164,10 @@ def test_local_model_directory(tmp_path):
     hf.save_pretrained(tmp_path / "weights")
     want = LLM(hf, backend="eager").generate(PROMPTS, 4)
     assert LLM(str(tmp_path / "weights"), backend="eager").generate(PROMPTS, 4) == want
+
+    cfg.save_pretrained(tmp_path / "bin")  # a PyTorch pickle checkpoint: it got random weights
+    torch.save(hf.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    assert LLM(str(tmp_path / "bin"), backend="eager").generate(PROMPTS, 4) == want
 
     cfg.save_pretrained(tmp_path / "config-only")  # no weights: random from seed 0
     a = LLM(str(tmp_path / "config-only"), backend="eager").generate(PROMPTS, 4)

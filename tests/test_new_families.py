@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from qaic_dynamo import LLM, compilation_counter
-from qaic_dynamo.models import hf_model_from_config
+from qaic_dynamo.models import hf_config, hf_model_from_config
 
 PROMPTS = [[11, 22, 33], [44, 55, 66, 77, 88, 99, 12], [101, 202]]
 SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
@@ -41,12 +41,12 @@ def qwen2_moe(layers):
                                                moe_intermediate_size=64, shared_expert_intermediate_size=64, **SMALL))
 
 
-def check_parity(model, regional=True, counts=None):
-    want = [hf_generate(model, p, 6) for p in PROMPTS]
-    eager = LLM(model, backend="eager").generate(PROMPTS, 6)
+def check_parity(model, regional=True, counts=None, prompts=PROMPTS):
+    want = [hf_generate(model, p, 6) for p in prompts]
+    eager = LLM(model, backend="eager").generate(prompts, 6)
     llm = LLM(model, backend="qaic", regional=regional)
     with compilation_counter.expect(num_eager_fallbacks=0, **(counts or {})):
-        got = llm.generate(PROMPTS, 6)
+        got = llm.generate(prompts, 6)
     assert got == eager == want
 
 
@@ -84,6 +84,71 @@ def test_qwen2_moe_middle_layers_share_one_artifact(layers):
         num_graphs_seen=1,
         num_backend_compilations=3,  # first, middle, last: the routing adds no per-layer constant
     ))
+
+
+def phimoe(layers):
+    from transformers import PhimoeConfig
+
+    return hf_model_from_config(PhimoeConfig(num_hidden_layers=layers, num_local_experts=4, num_experts_per_tok=2,
+                                             sliding_window=4, **SMALL))
+
+
+@pytest.mark.parametrize("regional", [True, False], ids=["regional", "whole"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "phimoe"])
+def test_a_window_applied_only_through_the_mask_reaches_the_op(family, regional):
+    """Qwen2-MoE (use_sliding_window) and PhiMoE keep their window only in transformers'
+    mask, never as the attention's sliding_window argument: they ran as full attention
+    (tokens differed from transformers once a prompt passed the window)."""
+    if family == "qwen2_moe":
+        from transformers import Qwen2MoeConfig
+
+        model = hf_model_from_config(Qwen2MoeConfig(
+            num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+            shared_expert_intermediate_size=64, use_sliding_window=True, sliding_window=4, max_window_layers=2,
+            **SMALL))
+    else:
+        model = phimoe(2)
+    check_parity(model, regional=regional, prompts=[[11, 22, 33, 5, 6, 7, 8, 9, 10, 12, 13, 14], [44, 55, 66, 77, 88]])
+
+
+@pytest.mark.parametrize("config, message", [
+    # Mamba mixers beside attention in every layer: ran without their recurrent state
+    (dict(model_type="falcon_h1", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+          num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+          mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16, pad_token_id=0), "keeps recurrent state"),
+    # chunked attention lives only in the mask: ran as full causal attention
+    (dict(model_type="llama4_text", vocab_size=256, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128,
+          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_chunk_size=4,
+          num_local_experts=2), "chunked attention"),
+    # transformers' latent attention: keys 24 wide, values 16, head_dim 8 (failed in the cache kernel)
+    (dict(model_type="deepseek_v3", vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None,
+          qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+          first_k_dense_replace=1), "multi-head latent attention"),
+])
+def test_attention_the_op_cannot_run_is_refused_when_the_model_is_built(config, message):
+    with pytest.raises(NotImplementedError, match=message):
+        LLM(hf_model_from_config(hf_config(config)), backend="eager")
+
+
+@pytest.mark.parametrize("model_type, extra", [
+    ("gpt2", dict(n_embd=64, n_layer=2, n_head=4, n_positions=128)),
+    ("gpt_neox", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)),
+    ("opt", dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=64)),
+])
+def test_multi_head_attention_configs_without_kv_heads_run(model_type, extra):
+    """GPT-2, GPT-NeoX and OPT configs have no num_key_value_heads: AttributeError before."""
+    model = hf_model_from_config(hf_config(dict(model_type=model_type, vocab_size=512, **extra)))
+    check_parity(model)
+
+
+def test_attention_that_bypasses_the_interface_fails_the_first_step():
+    """GPT-J's attention has layer_idx and is_causal but never calls transformers' attention
+    interface: its tokens were silently wrong (no KV cache ever written)."""
+    model = hf_model_from_config(hf_config(dict(model_type="gptj", vocab_size=256, n_embd=64, n_layer=2, n_head=4,
+                                                rotary_dim=8)))
+    with pytest.raises(RuntimeError, match="wrote the KV cache of 0 of its 2 attention layers"):
+        LLM(model, backend="eager").generate(PROMPTS, 2)
 
 
 def smollm3(layers):

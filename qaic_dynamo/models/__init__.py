@@ -40,6 +40,8 @@ __all__ = [
     "max_positions",
     "model_config",
     "copy_module_tree",
+    "has_weights",
+    "local_model",
     "hf_config",
     "hf_model_from_config",
     "load_model",
@@ -81,12 +83,25 @@ def hf_model_from_config(config: Any, seed: int = 0) -> nn.Module:
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-def _from_local(path: Path) -> nn.Module:
+#: Weight files transformers' from_pretrained reads (safetensors, or PyTorch's pickles).
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
+
+
+def has_weights(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a model directory with weights transformers can load."""
+    p = Path(path)
+    return p.is_dir() and any(any(p.glob(pattern)) for pattern in WEIGHT_FILES)
+
+
+def local_model(path: str | os.PathLike) -> nn.Module:
+    """The causal LM in a local directory: its weights if it has any (safetensors or
+    ``pytorch_model*.bin``), else random weights (seed 0) from its config, with a warning."""
     from transformers import AutoModelForCausalLM
 
-    if path.is_dir() and any(path.glob("*.safetensors")):
+    path = Path(path)
+    if has_weights(path):
         return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True).eval()
-    logger.warning("qaic: %s has no safetensors weights; using random weights (seed 0)", path)
+    logger.warning("qaic: %s has no weights (%s); using random weights (seed 0)", path, " or ".join(WEIGHT_FILES))
     return hf_model_from_config(hf_config(path))
 
 
@@ -118,7 +133,7 @@ def _build(source: str) -> nn.Module:
         torch.manual_seed(0)
         return model_cls(cfg_cls())
     if Path(source).exists():
-        return _from_local(Path(source))
+        return local_model(source)
     raise FileNotFoundError(
         f"LLM: {source!r} is neither a local model directory nor a reference model "
         f"({sorted(REFERENCE_MODELS)}); models are never downloaded"
@@ -157,6 +172,11 @@ def load_model(model: Any, layer_agnostic_kv_update: bool = True, dtype: torch.d
     elif isinstance(model, HFCausalLM):
         model = copy_module_tree(model.hf, dtype)  # re-wrapped below with this call's options
     elif isinstance(model, (QaicCausalLM, PreTrainedModel)):
+        if isinstance(model, PreTrainedModel) and model.get_output_embeddings() is None:
+            raise TypeError(
+                f"LLM: {type(model).__name__} has no language-model head (a base model gives hidden states, not "
+                "logits); pass the causal LM, e.g. AutoModelForCausalLM"
+            )
         model = copy_module_tree(model, dtype)
     else:
         raise TypeError(

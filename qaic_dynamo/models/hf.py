@@ -10,11 +10,14 @@ path works without special cases; nothing here names a model family.
 
 The engine feeds a flat batch: all new tokens of all sequences as one row
 ``input_ids [1, T]`` with their real ``position_ids``, so RoPE is right per token and the
-attention op, not the mask, keeps sequences apart.
+attention op, not the mask, keeps sequences apart. A sliding window that a model applies only
+through its mask reaches the op through the mask function (:func:`qaic_mask`).
 
-Attention features the qaic op does not implement (logit soft-capping, attention sinks)
-are refused when :class:`HFCausalLM` is built, before anything is traced; the attention
-function checks again at run time for models that slip past the structural check.
+Attention the qaic op does not implement (non-causal, chunked, transformers' latent
+attention) and recurrent state are refused when :class:`HFCausalLM` is built, before
+anything is traced; the mask function checks again at run time, and the engine checks
+after every forward that each layer wrote its KV cache (a model whose attention bypasses
+the interface, such as GPT-J, writes none).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import torch.nn as nn
 
 from qaic_dynamo.forward_context import FROM_FORWARD_CONTEXT
 
-__all__ = ["ATTN_IMPLEMENTATION", "HFCausalLM", "register_qaic_attention", "unsupported_attention_features"]
+__all__ = ["ATTN_IMPLEMENTATION", "HFCausalLM", "SLIDING_WINDOW_MASK", "qaic_mask", "register_qaic_attention",
+           "unsupported_attention_features"]
 
 ATTN_IMPLEMENTATION = "qaic"
 
@@ -58,6 +62,14 @@ def qaic_attention_forward(
             f"attn_implementation='qaic' runs a flat batch (batch dimension 1, sequences kept "
             f"apart by the forward context); got batch {query.shape[0]}"
         )
+    if isinstance(attention_mask, tuple) and attention_mask[:1] == (SLIDING_WINDOW_MASK,):
+        # A window transformers applies only through the mask (Qwen2-MoE, PhiMoE): the op
+        # applies it, as it does a window the attention passes as an argument.
+        window = attention_mask[1]
+        if sliding_window is not None and sliding_window != window:
+            raise RuntimeError(f"{type(module).__name__}: the attention passes sliding_window={sliding_window} but "
+                               f"its mask has a window of {window}")
+        sliding_window = window
     q = query[0].transpose(0, 1)  # [T, H, D]
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
@@ -69,8 +81,31 @@ def qaic_attention_forward(
     return out.unsqueeze(0), None
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    return None
+#: What the "qaic" mask function returns for a sliding-window mask: ``(SLIDING_WINDOW_MASK,
+#: window)``, a constant Dynamo guards on by value (one trace per window size).
+SLIDING_WINDOW_MASK = "qaic_sliding_window"
+
+
+def qaic_mask(*args: Any, **kwargs: Any) -> tuple[str, int] | None:
+    """transformers' mask interface for ``attn_implementation="qaic"``: no dense mask.
+
+    Causality and sequence boundaries come from the forward context, so a causal mask
+    (and transformers' packed-sequence or padding overlays on it) is None. A sliding
+    window is passed on as ``(SLIDING_WINDOW_MASK, window)`` - transformers' mask builders
+    give it as ``local_size`` - because some models (Qwen2-MoE, PhiMoE) apply their window
+    only through the mask, never as the attention's ``sliding_window`` argument. Masks the
+    op cannot apply are refused: chunked attention (which also arrives as ``local_size``)
+    and a model's own mask functions (``or_mask_function`` / ``and_mask_function``, which
+    transformers flags with ``use_vmap``)."""
+    config = kwargs.get("config")
+    if getattr(config, "attention_chunk_size", None) is not None:
+        raise NotImplementedError("attn_implementation='qaic': chunked attention (attention_chunk_size) is not "
+                                  "implemented by the qaic attention op")
+    if kwargs.get("use_vmap"):
+        raise NotImplementedError("attn_implementation='qaic': the model combines the causal mask with a mask "
+                                  "function of its own, which the qaic attention op cannot apply")
+    window = kwargs.get("local_size")
+    return None if window is None else (SLIDING_WINDOW_MASK, int(window))
 
 
 def register_qaic_attention() -> None:
@@ -79,7 +114,7 @@ def register_qaic_attention() -> None:
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, qaic_attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, qaic_mask)
 
 
 def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -97,8 +132,16 @@ def unsupported_attention_features(config: Any, layers: list[tuple[str, nn.Modul
     """The attention features of a model that the qaic attention op does not implement,
     found from its config and attention modules (what they would pass the interface)."""
     # Soft-capping and sinks are op arguments now; what remains unsupported is attention
-    # that is not causal self-attention over the cache.
-    return [f"non-causal attention ({name})" for name, m in layers if getattr(m, "is_causal", True) is False]
+    # that is not causal self-attention over one K/V head size.
+    found = [f"non-causal attention ({name})" for name, m in layers if getattr(m, "is_causal", True) is False]
+    if getattr(config, "attention_chunk_size", None) is not None or "chunked_attention" in (
+            getattr(config, "layer_types", None) or ()):
+        found.append("chunked attention (attention_chunk_size)")
+    if getattr(config, "kv_lora_rank", None) is not None:
+        # transformers' multi-head latent attention (DeepSeek-V2/V3): keys and values of
+        # other head sizes than head_dim; the reference MLA model runs it (models.mla).
+        found.append("multi-head latent attention (kv_lora_rank; use qaic_dynamo.models' MLA model)")
+    return found
 
 
 class HFCausalLM(nn.Module):
@@ -123,6 +166,13 @@ class HFCausalLM(nn.Module):
         config = hf_model.config
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.config = text_config
+        if getattr(type(hf_model), "_is_stateful", False):
+            # Recurrent state (Mamba mixers beside attention: Falcon-H1, Jamba, ...) is
+            # neither cached per sequence nor kept apart between the sequences of a batch.
+            raise NotImplementedError(
+                f"{type(hf_model).__name__} keeps recurrent state next to its KV cache, which the qaic engine "
+                "does not carry between steps; this architecture is not supported by attn_implementation='qaic'"
+            )
         layers = attention_modules(hf_model)
         expected = getattr(text_config, "num_hidden_layers", len(layers))
         if len(layers) != expected:
@@ -153,7 +203,8 @@ class HFCausalLM(nn.Module):
         if hasattr(type(hf_model), "_can_set_experts_implementation") and type(hf_model)._can_set_experts_implementation():
             hf_model.set_experts_implementation("batched_mm")
         self.vocab_size = text_config.vocab_size
-        self.num_kv_heads = text_config.num_key_value_heads
+        # Multi-head attention configs (GPT-2, GPT-NeoX, OPT) have no num_key_value_heads.
+        self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
 
     @property
