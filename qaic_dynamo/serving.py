@@ -496,7 +496,7 @@ def _prefill_worker(model: Any, cfg: dict, descriptor: dict, jobs: Any, handoffs
             decode.close()
 
 
-def _decode_worker(model: Any, cfg: dict, descriptor: dict, handoffs: Any, events: Any) -> None:
+def _decode_worker(model: Any, cfg: dict, descriptor: dict, handoffs: Any, control: Any, events: Any) -> None:
     from qaic_dynamo.engine import Request
 
     decode = transport = None
@@ -514,26 +514,39 @@ def _decode_worker(model: Any, cfg: dict, descriptor: dict, handoffs: Any, event
         def finish(req: Request, job: _Job) -> None:
             events.put(("finished", job.request_id, (job.decode_slot, list(req.output_token_ids))))
 
+        def admit(item: tuple) -> None:
+            _, job, first, t_first, moved = item
+            transport.receive(job.decode_slot, job.request_id)
+            events.put(("admitted", job.request_id, (first, t_first, moved)))
+            req = Request(job.request_id, job.prompt, job.max_tokens, output_token_ids=[first],
+                          block_ids=[job.decode_slot], num_computed_tokens=len(job.prompt))
+            if _finished(req, job):
+                finish(req, job)
+            else:
+                running.append((req, job))
+
         while True:
+            try:  # the server's messages: stop, or a sync after the prefill worker died
+                message = control.get_nowait()
+            except queue.Empty:
+                message = False
+            if message is None:
+                return
+            if message:
+                # The prefill worker is dead, so nothing more is coming: admit everything it
+                # handed off, then say so (the server fails only what was not handed off).
+                while True:
+                    try:
+                        admit(handoffs.get_nowait())
+                    except queue.Empty:
+                        break
+                events.put(("synced", message[1], None))
             while True:  # admit every prefilled request that arrived
                 try:
                     item = handoffs.get(timeout=0.05) if not running else handoffs.get_nowait()
                 except queue.Empty:
                     break
-                if item is None:
-                    return
-                if item[0] == "sync":  # everything handed off before this marker is admitted
-                    events.put(("synced", item[1], None))
-                    continue
-                _, job, first, t_first, moved = item
-                transport.receive(job.decode_slot, job.request_id)
-                events.put(("admitted", job.request_id, (first, t_first, moved)))
-                req = Request(job.request_id, job.prompt, job.max_tokens, output_token_ids=[first],
-                              block_ids=[job.decode_slot], num_computed_tokens=len(job.prompt))
-                if _finished(req, job):
-                    finish(req, job)
-                else:
-                    running.append((req, job))
+                admit(item)
             if not running:
                 continue
             logits = session.llm.execute_model([r for r, _ in running])
@@ -657,9 +670,14 @@ class DisaggregatedServer:
             self.vocab = probe.vocab_size
             flat = {n: s for layer, ns in zip(probe.kv_cache_layers, names) for n, s in zip(ns, shapes[layer])}
             self.buffers = SharedKVBuffers(flat, dtype)
-            self._jobs, self._handoffs, self._events = self._ctx.Queue(), self._ctx.Queue(), self._ctx.Queue()
+            # One writing process per queue: a worker killed while writing holds that queue's
+            # write lock for good, and then only its own queues are stuck - jobs and its
+            # events queue are replaced with it; handoffs are drained after its death.
+            self._jobs, self._handoffs = self._ctx.Queue(), self._ctx.Queue()  # server -> prefill -> decode
+            self._control, self._events = self._ctx.Queue(), self._ctx.Queue()  # server -> decode -> server
+            self._prefill_events = self._ctx.Queue()  # prefill -> server
             self._decode = self._ctx.Process(target=_decode_worker, daemon=True, name="qaic-decode", args=(
-                self.model, self.cfg, self.buffers.descriptor, self._handoffs, self._events))
+                self.model, self.cfg, self.buffers.descriptor, self._handoffs, self._control, self._events))
             self._decode.start()
             self._start_prefill()
             self._wait_for(lambda kind, who, payload: kind == "ready", {"prefill", "decode"}, "start")
@@ -669,7 +687,7 @@ class DisaggregatedServer:
 
     def _start_prefill(self) -> None:
         self._prefill = self._ctx.Process(target=_prefill_worker, daemon=True, name="qaic-prefill", args=(
-            self.model, self.cfg, self.buffers.descriptor, self._jobs, self._handoffs, self._events))
+            self.model, self.cfg, self.buffers.descriptor, self._jobs, self._handoffs, self._prefill_events))
         self._prefill.start()
 
     def _wait_for(self, match: Any, keys: set, what: str, on_other: Any = None) -> None:
@@ -678,7 +696,7 @@ class DisaggregatedServer:
         deadline = time.monotonic() + self.startup_timeout
         while keys:
             try:
-                kind, who, payload = self._events.get(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
+                kind, who, payload = self._next_event(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
             except queue.Empty:
                 # A worker killed (out of memory, a signal) or crashed before it could post
                 # an event says nothing: look, rather than wait out the timeout.
@@ -697,9 +715,17 @@ class DisaggregatedServer:
             elif on_other is not None:
                 on_other(kind, who, payload)
 
+    def _next_event(self, timeout: float) -> tuple[str, Any, Any]:
+        """The next event of either worker (the prefill worker's first); queue.Empty if
+        none came within ``timeout``."""
+        try:
+            return self._prefill_events.get_nowait()
+        except queue.Empty:
+            return self._events.get(timeout=timeout)
+
     def stop(self) -> None:
         """End both workers and unlink the shared memory (idempotent)."""
-        for q in ("_jobs", "_handoffs"):
+        for q in ("_jobs", "_control"):
             if hasattr(self, q):
                 try:
                     getattr(self, q).put(None)
@@ -815,7 +841,7 @@ class DisaggregatedServer:
                 at_prefill[job.request_id] = job
                 self._jobs.put(job)
             try:
-                kind, rid, payload = self._events.get(timeout=0.1)
+                kind, rid, payload = self._next_event(timeout=0.1)
                 if kind == "worker_error":
                     raise RuntimeError(f"DisaggregatedServer: the {rid} worker failed:\n{payload}")
                 on_event(kind, rid, payload)
@@ -834,7 +860,7 @@ class DisaggregatedServer:
         code = self._prefill.exitcode
         self._prefill = None
         marker = next(self._syncs)
-        self._handoffs.put(("sync", marker))
+        self._control.put(("sync", marker))
         self._wait_for(lambda kind, who, payload: kind == "synced" and who == marker, {marker}, "sync",
                        on_other=on_event)
         for rid, job in list(at_prefill.items()):
@@ -848,7 +874,8 @@ class DisaggregatedServer:
                                                       "transport cannot replace it")
             waiting.clear()
             return
-        self._jobs = self._ctx.Queue()  # the dead worker's queue may hold a half-read job
+        # The dead worker's queues may hold a half-read job, or a write lock it never released.
+        self._jobs, self._prefill_events = self._ctx.Queue(), self._ctx.Queue()
         self._start_prefill()
         self.restarts += 1
         self._wait_for(lambda kind, who, payload: kind == "ready", {"prefill"}, "restart", on_other=on_event)
