@@ -76,7 +76,7 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
 def export_command(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from qaic_dynamo.export import ExportError, export_for_qaic, ort_generate
+    from qaic_dynamo.export import ExportError, export_for_qaic, has_bfloat16_inputs, ort_generate
 
     model = _model_arg(args)
     if model is None:
@@ -107,7 +107,7 @@ def export_command(args: argparse.Namespace) -> int:
 
         from qaic_dynamo import LLM
 
-        if onnx_has_bfloat16_inputs(result.onnx_path):
+        if has_bfloat16_inputs(result.onnx_path):
             print("validation        skipped: the model is bfloat16, which ONNX Runtime's CPU kernels do not run "
                   "(a float16 copy of the checkpoint validates here)")
             return 0
@@ -133,13 +133,6 @@ def export_command(args: argparse.Namespace) -> int:
         if not same:
             return 1
     return 0
-
-
-def onnx_has_bfloat16_inputs(path: object) -> bool:
-    import onnx
-
-    graph = onnx.load(str(path), load_external_data=False).graph
-    return any(i.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16 for i in graph.input)
 
 
 def onnx_vocab(path: object) -> int:

@@ -233,7 +233,8 @@ def _environment_defaults() -> dict[str, Any]:
 
 
 def _check_choice(key: str, value: Any, valid: tuple) -> None:
-    if isinstance(value, bool) or type(value) is not type(valid[0]) or value not in valid:
+    # isinstance, not equality alone: 18.0 == 18 but would hash apart (a str enum is a str).
+    if isinstance(value, bool) or not isinstance(value, type(valid[0])) or value not in valid:
         raise ConfigError(f"qaic option {key!r} must be one of {list(valid)}, got {value!r}")
 
 

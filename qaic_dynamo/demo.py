@@ -58,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+#: Config lists with one entry per decoder layer (resized by --layers).
+PER_LAYER_LISTS = ("layer_types", "no_rope_layers", "activation_sparsity_pattern")
+
+
 def build_model(args: argparse.Namespace) -> Any:
     from qaic_dynamo.models import (
         QaicMLAConfig,
@@ -89,11 +93,12 @@ def build_model(args: argparse.Namespace) -> Any:
             d["sliding_window"] = 4096
         cfg = hf_config(d)
     if args.layers:
-        # Per-layer lists (layer_types, SmolLM3's no_rope_layers, ...) follow the new depth:
-        # cut, or extended with their last entry.
-        old = cfg.num_hidden_layers
-        for key, value in list(vars(cfg).items()):
-            if isinstance(value, list) and len(value) == old and old > 0:
+        # Lists with one entry per layer follow the new depth: cut, or extended with their
+        # last entry. Only these: other lists may merely have that length by chance
+        # (eos_token_id, or mlp_only_layers, which holds layer indices).
+        for key in PER_LAYER_LISTS:
+            value = getattr(cfg, key, None)
+            if isinstance(value, list) and value:
                 setattr(cfg, key, value[: args.layers] + [value[-1]] * (args.layers - len(value)))
         cfg.num_hidden_layers = args.layers
     if args.hidden_size:

@@ -458,8 +458,7 @@ class LLM:
             logits = self._fn(input_ids, pos, logits_indices)
             written = ctx.kv_cache_layer_index
         if self._counts_kv_writes and written != len(self.kv_cache_layers):
-            # A layer whose attention bypasses the qaic ops (transformers' GPT-J and Falcon
-            # attention never call the attention interface) computed without its cache, and
+            # A layer whose attention bypasses the qaic ops computed without its cache, and
             # the next step would read a cache it never wrote: never return such logits.
             raise RuntimeError(
                 f"execute_model: the model wrote the KV cache of {written} of its {len(self.kv_cache_layers)} "

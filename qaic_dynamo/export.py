@@ -1188,6 +1188,13 @@ def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int =
 # --- running the artifact on ONNX Runtime (validation) ------------------------------------------
 
 
+def has_bfloat16_inputs(onnx_path: str | os.PathLike) -> bool:
+    """Whether an exported model takes bfloat16 inputs (which ONNX Runtime's CPU kernels do
+    not run); reads the graph only, not the weights."""
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    return any(i.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16 for i in graph.input)
+
+
 def ort_generate(onnx_path: str | os.PathLike, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  prefill_seq_len: int, num_threads: int | None = None) -> tuple[list[list[int]], list[Any]]:
     """Greedy generation with an exported model on ONNX Runtime, the retained-state way:
@@ -1205,8 +1212,11 @@ def ort_generate(onnx_path: str | os.PathLike, prompts: Sequence[Sequence[int]],
     try:
         sess = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime's own exception classes
-        raise ExportError(f"ONNX Runtime cannot load {onnx_path} on the CPU: {str(e).splitlines()[0] if str(e) else e!r}"
-                          " (its CPU kernels lack bfloat16: export a bfloat16 model in float16 to run it here)") from e
+        hint = ""
+        if Path(onnx_path).is_file() and has_bfloat16_inputs(onnx_path):
+            hint = " (its CPU kernels lack bfloat16: export a bfloat16 model in float16 to run it here)"
+        raise ExportError(f"ONNX Runtime cannot load {onnx_path} on the CPU: "
+                          f"{str(e).splitlines()[0] if str(e) else e!r}{hint}") from e
     past_inputs = [i for i in sess.get_inputs() if i.name not in ("input_ids", "position_ids")]
     others = [i.name for i in past_inputs if not is_kv_retained_state(i.name + RETAINED_STATE_SUFFIX)]
     if others:

@@ -422,6 +422,12 @@ def test_config_hash_covers_artifact_fields_only(monkeypatch):
     assert base.compute_hash() != base.replace(runtime="qaic").compute_hash()
     assert base.compute_hash() == base.replace(dump_dir="/tmp/x", fallback="error").compute_hash()
     assert base.compute_hash() == base.replace(release_openmp_workers=False).compute_hash()  # runtime only
+    import enum
+
+    class Runtime(str, enum.Enum):  # a str enum is a str, and hashes as its value
+        ONNXRUNTIME = "onnxruntime"
+
+    assert CompilationConfig.from_options({"runtime": Runtime.ONNXRUNTIME}).compute_hash() == base.compute_hash()
     numpy = pytest.importorskip("numpy")
     assert CompilationConfig.from_options({"opset": numpy.int64(18), "num_threads": numpy.int32(2)}) == base.replace(
         num_threads=2)  # numpy integers are ints: the same config, the same hash

@@ -89,6 +89,11 @@ def test_demo_layers_resize_every_per_layer_list_and_bad_lengths_are_reported(tm
                                    seed=0)
     model = demo.build_model(args)  # IndexError before: no_rope_layers kept 4 entries for 6 layers
     assert model.config.no_rope_layers == [1, 1, 1, 0, 0, 0] and model.config.num_hidden_layers == 6
+    (tmp_path / "eos.json").write_text(json.dumps(dict(
+        model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, eos_token_id=[1, 2, 3, 4])))
+    args.config = str(tmp_path / "eos.json")
+    assert demo.build_model(args).config.eos_token_id == [1, 2, 3, 4]  # four entries by chance, not per layer
     proc = run_cli("demo", "--model", "llama", "--layers", "1", "--hidden-size", "64", "--max-new-tokens", "3000")
     assert proc.returncode == 2 and "exceeds the model's max_position_embeddings" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -487,6 +487,25 @@ def test_ctx_len_past_the_models_positions_is_refused(tmp_path):
         export_for_qaic(model, tmp_path, ctx_len=limit + 1, prefill_seq_len=8)
 
 
+@pytest.mark.parametrize("rope, limit", [
+    ({"rope_type": "linear", "factor": 4.0}, 128),  # 32 trained positions stretched 4x, as vLLM counts them
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}, 64),
+    ({"rope_type": "default"}, 32),
+])
+def test_rope_scaling_extends_the_positions_a_context_may_use(rope, limit, tmp_path):
+    from transformers import LlamaConfig
+
+    from qaic_dynamo.models import max_positions
+
+    model = hf_model_from_config(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                             rope_parameters={**rope, "rope_theta": 10000.0}))
+    assert max_positions(LLM(model, backend="eager").model) == limit
+    export_for_qaic(model, tmp_path, ctx_len=limit, prefill_seq_len=8, run_compiler=False)  # refused at 128 before
+    with pytest.raises(ExportError, match=f"exceeds the model's max_position_embeddings"):
+        export_for_qaic(model, tmp_path, ctx_len=limit + 1, prefill_seq_len=8, run_compiler=False)
+
+
 def test_an_architecture_the_qaic_ops_cannot_run_is_an_export_error(tmp_path, monkeypatch):
     from qaic_dynamo.models import hf as qhf
 
@@ -513,8 +532,11 @@ def test_ort_generate_names_what_it_cannot_feed(tmp_path):
     with pytest.raises(ExportError, match=r"feeds KV caches only; .* also takes \['embed_tokens.vision_embeds'\]"):
         ort_generate(result.onnx_path, PROMPTS, 2, SHAPE["prefill_seq_len"])
     bf16 = export_for_qaic(hf("llama", 2).to(torch.bfloat16), tmp_path / "b", run_compiler=False, **SHAPE)
-    with pytest.raises(ExportError, match="ONNX Runtime cannot load .* bfloat16"):
+    with pytest.raises(ExportError, match="ONNX Runtime cannot load .* lack bfloat16"):
         ort_generate(bf16.onnx_path, PROMPTS, 2, SHAPE["prefill_seq_len"])
+    with pytest.raises(ExportError, match="ONNX Runtime cannot load") as e:  # any other failure: no bfloat16 hint
+        ort_generate(tmp_path / "missing.onnx", PROMPTS, 2, SHAPE["prefill_seq_len"])
+    assert "bfloat16" not in str(e.value)
 
 
 # --- command line ----------------------------------------------------------------------------

@@ -112,10 +112,18 @@ def test_a_window_applied_only_through_the_mask_reaches_the_op(family, regional)
 
 
 @pytest.mark.parametrize("config, message", [
-    # Mamba mixers beside attention in every layer: ran without their recurrent state
+    # a Mamba layer beside attention layers: would run without its recurrent state
+    (dict(model_type="granitemoehybrid", vocab_size=256, hidden_size=64, intermediate_size=128,
+          shared_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+          num_local_experts=0, num_experts_per_tok=0, layer_types=["mamba", "attention"],
+          position_embedding_type="rope", mamba_n_heads=4, mamba_d_state=16, mamba_d_head=32, pad_token_id=0),
+     "keeps recurrent state"),
+    # Falcon-H1: Mamba beside attention in every layer, and attention outside the interface
+    # (it ran without the recurrent state: wrong tokens)
     (dict(model_type="falcon_h1", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
           num_attention_heads=4, num_key_value_heads=2, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
-          mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16, pad_token_id=0), "keeps recurrent state"),
+          mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16, pad_token_id=0),
+     "does not go through transformers' attention interface"),
     # chunked attention lives only in the mask: ran as full causal attention
     (dict(model_type="llama4_text", vocab_size=256, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128,
           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_chunk_size=4,
@@ -142,13 +150,42 @@ def test_multi_head_attention_configs_without_kv_heads_run(model_type, extra):
     check_parity(model)
 
 
-def test_attention_that_bypasses_the_interface_fails_the_first_step():
-    """GPT-J's attention has layer_idx and is_causal but never calls transformers' attention
-    interface: its tokens were silently wrong (no KV cache ever written)."""
-    model = hf_model_from_config(hf_config(dict(model_type="gptj", vocab_size=256, n_embd=64, n_layer=2, n_head=4,
-                                                rotary_dim=8)))
-    with pytest.raises(RuntimeError, match="wrote the KV cache of 0 of its 2 attention layers"):
-        LLM(model, backend="eager").generate(PROMPTS, 2)
+@pytest.mark.parametrize("config", [
+    # GPT-J's and Falcon's attention have layer_idx and is_causal but never call transformers'
+    # attention interface: GPT-J's tokens were silently wrong, Falcon failed with a TypeError
+    dict(model_type="gptj", vocab_size=256, n_embd=64, n_layer=2, n_head=4, rotary_dim=8),
+    dict(model_type="falcon", vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+         new_decoder_architecture=True, num_kv_heads=2),
+])
+def test_attention_that_bypasses_the_interface_is_refused_when_built(config):
+    with pytest.raises(NotImplementedError, match="does not go through transformers' attention interface"):
+        LLM(hf_model_from_config(hf_config(config)), backend="eager")
+
+
+def test_a_layer_that_skips_its_kv_update_fails_the_step():
+    """The engine's per-step check, for any model (here a reference Llama whose second
+    layer's attention is replaced by one that never writes its cache)."""
+    from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM
+
+    model = QaicLlamaForCausalLM(QaicLlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=256)).eval()
+    llm = LLM(model, backend="eager")
+    attn = llm.model.layers[1].self_attn
+    attn.forward = lambda x, cos, sin: torch.zeros_like(x)
+    with pytest.raises(RuntimeError, match="wrote the KV cache of 1 of its 2 attention layers"):
+        llm.generate(PROMPTS, 2)
+
+
+def test_a_stateful_class_built_with_attention_layers_only_runs():
+    """GraniteMoeHybrid is flagged stateful as a class; built with attention layers only
+    (Granite 4.0 micro's shape) it has no recurrent mixer and runs - a class-flag check
+    refused it."""
+    model = hf_model_from_config(hf_config(dict(
+        model_type="granitemoehybrid", vocab_size=512, hidden_size=64, intermediate_size=128,
+        shared_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=0, num_experts_per_tok=0, layer_types=["attention", "attention"],
+        position_embedding_type="rope", mamba_n_heads=4, mamba_d_state=16, pad_token_id=0)))
+    check_parity(model)
 
 
 def smollm3(layers):

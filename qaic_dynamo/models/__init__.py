@@ -147,12 +147,26 @@ def model_config(model: nn.Module) -> Any:
 
 
 def max_positions(model: nn.Module) -> int | None:
-    """The model's ``max_position_embeddings`` (the positions it was trained for), if its
-    config names one. The engine and the deployment export both refuse a context longer
-    than this, as vLLM does: learned position tables would index out of range, and RoPE
-    models degrade silently."""
-    n = getattr(model_config(model), "max_position_embeddings", None)
-    return n if isinstance(n, int) and not isinstance(n, bool) else None
+    """The longest context the model supports, if its config says (``max_position_embeddings``).
+
+    As vLLM derives it: RoPE scaling that stretches the trained range (linear, dynamic,
+    yarn) multiplies it by the scaling factor - yarn from its
+    ``original_max_position_embeddings``; other kinds (llama3, longrope) already state the
+    extended range. The engine and the deployment export both refuse a longer context:
+    learned position tables would index out of range, and RoPE models degrade silently."""
+    cfg = model_config(model)
+    n = getattr(cfg, "max_position_embeddings", None)
+    if not isinstance(n, int) or isinstance(n, bool):
+        return None
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+    if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type
+        rope = rope.get("full_attention") or next(iter(rope.values()))
+    if isinstance(rope, dict):
+        kind, factor = rope.get("rope_type") or rope.get("type"), rope.get("factor")
+        if kind in ("linear", "dynamic", "yarn") and isinstance(factor, (int, float)) and factor > 1:
+            base = rope.get("original_max_position_embeddings") if kind == "yarn" else None
+            n = int((base if isinstance(base, int) else n) * factor)
+    return n
 
 
 def load_model(model: Any, layer_agnostic_kv_update: bool = True, dtype: torch.dtype | None = None) -> nn.Module:

@@ -15,13 +15,14 @@ through its mask reaches the op through the mask function (:func:`qaic_mask`).
 
 Attention the qaic op does not implement (non-causal, chunked, transformers' latent
 attention) and recurrent state are refused when :class:`HFCausalLM` is built, before
-anything is traced; the mask function checks again at run time, and the engine checks
-after every forward that each layer wrote its KV cache (a model whose attention bypasses
-the interface, such as GPT-J, writes none).
+anything is traced, as is attention transformers itself marks as bypassing the interface
+(GPT-J, Falcon); the mask function checks again at run time, and the engine checks after
+every forward that each layer wrote its KV cache.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -80,6 +81,9 @@ def qaic_attention_forward(
                                            kwargs.get("s_aux"))
     return out.unsqueeze(0), None
 
+
+#: Module classes that hold recurrent state (checked in models transformers marks stateful).
+_RECURRENT = re.compile(r"Mamba|Mixer|SSM|DeltaNet|LinearAttention|Recurrent|RWKV", re.IGNORECASE)
 
 #: What the "qaic" mask function returns for a sliding-window mask: ``(SLIDING_WINDOW_MASK,
 #: window)``, a constant Dynamo guards on by value (one trace per window size).
@@ -166,12 +170,24 @@ class HFCausalLM(nn.Module):
         config = hf_model.config
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.config = text_config
-        if getattr(type(hf_model), "_is_stateful", False):
+        if getattr(type(hf_model), "_supports_attention_backend", True) is False:
+            # transformers' own flag: this model's attention never calls the attention
+            # interface (GPT-J, Falcon, Falcon-H1), so it would compute without the qaic ops.
+            raise NotImplementedError(
+                f"{type(hf_model).__name__}'s attention does not go through transformers' attention interface "
+                "(_supports_attention_backend is False); this architecture is not supported by attn_implementation='qaic'"
+            )
+        recurrent = sorted({type(m).__name__ for m in hf_model.modules()
+                            if _RECURRENT.search(type(m).__name__)}) if getattr(type(hf_model), "_is_stateful", False) else []
+        if recurrent:
             # Recurrent state (Mamba mixers beside attention: Falcon-H1, Jamba, ...) is
             # neither cached per sequence nor kept apart between the sequences of a batch.
+            # The class flag alone is not enough: GraniteMoeHybrid built with attention
+            # layers only has no mixer and runs.
             raise NotImplementedError(
-                f"{type(hf_model).__name__} keeps recurrent state next to its KV cache, which the qaic engine "
-                "does not carry between steps; this architecture is not supported by attn_implementation='qaic'"
+                f"{type(hf_model).__name__} keeps recurrent state next to its KV cache ({', '.join(recurrent)}), which "
+                "the qaic engine does not carry between steps; this architecture is not supported by "
+                "attn_implementation='qaic'"
             )
         layers = attention_modules(hf_model)
         expected = getattr(text_config, "num_hidden_layers", len(layers))
