@@ -18,7 +18,13 @@ the difference is, with both engines built side by side in one process on the sa
 Each method is wrapped with a timer (about 0.1 us per call) only during the timed steps.
 Figures are medians over the calls of --rounds interleaved rounds of --steps steps.
 
-    python benchmarks/region_entry.py [--layers 16] [--batch 8] [--rounds 5] [--steps 40]
+With ``--dict-tags`` the regional engine is compiled with Dynamo's
+``use_recursive_dict_tags_for_guards`` (off by default; made for regional compilation: a
+block's guard subtrees pass on the unchanged dict version tags of up to 256 recorded
+modules). Both engines of a process share Dynamo's cache of the block's code, so that is
+a run of its own, not a third engine beside these two.
+
+    python benchmarks/region_entry.py [--layers 16] [--batch 8] [--rounds 5] [--steps 40] [--dict-tags]
 """
 
 from __future__ import annotations
@@ -85,7 +91,8 @@ def hot_lookup_costs(llm, batch, repeats: int = 2000) -> dict[str, float]:
     entry = next(e for e in d._internals.cache_entries(d.code, d.isolate_recompiles_id) if e.backend is not None)
     md = build_attention_metadata([CONTEXT] * len(batch), [1] * len(batch), [r.block_ids for r in batch],
                                   llm.block_size)
-    out = {}
+    # Subtrees Dynamo skips on matching dict tags (none unless compiled with --dict-tags).
+    out = {"tag_safe_roots": str(entry.guard_manager).count("tag_safe=(True, True)")}
     with torch.no_grad(), set_forward_context(md, llm.kv_caches, llm.kv_cache_layers):
         assert entry.guard_manager.check(seen["f_locals"]), "the captured frame's guards must pass"
         assert d.lookup(*seen["args"]) is not None, "the captured call must be dispatched"
@@ -111,6 +118,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small model, few steps (a smoke run)")
     ap.add_argument("--results-dir", type=Path, default=None)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--dict-tags", action="store_true",
+                    help="compile the regional engine with Dynamo's use_recursive_dict_tags_for_guards")
     args = ap.parse_args()
     import torch._dynamo.guards as dynamo_guards
 
@@ -147,8 +156,11 @@ def main() -> None:
             batches = {name: stack.enter_context(case_batch(llm, "decode", args.batch))
                        for name, llm in engines.items()}
             for name, llm in engines.items():
-                for _ in range(3):  # compile, then warm up
-                    llm.execute_model(batches[name])
+                # Dynamo reads the flag when it builds a frame's guards, i.e. while compiling.
+                with torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=args.dict_tags
+                                                and name == "regional"):
+                    for _ in range(3):  # compile, then warm up
+                        llm.execute_model(batches[name])
             hot = hot_lookup_costs(engines["regional"], batches["regional"])
             for _ in range(rounds):
                 for name, llm in engines.items():
@@ -164,7 +176,7 @@ def main() -> None:
             setattr(cls, name, orig)
 
     n_steps = rounds * steps
-    rows, payload = [], {"layers": layers, "hidden": hidden, "vocab": vocab, "batch": args.batch,
+    rows, payload = [], {"dict_tags": args.dict_tags, "layers": layers, "hidden": hidden, "vocab": vocab, "batch": args.batch,
                          "rounds": rounds, "steps": steps, "hot_us": hot, "engines": {}}
     for name in engines:
         step_ms = statistics.median(samples[name]) / 1e6
@@ -192,7 +204,7 @@ def main() -> None:
         lines.append(
             f"block lookup: {reg['per_call']['lookup']['median_us']:.0f} us in step vs {hot['lookup']:.1f} us hot; "
             f"its guard check {reg['per_call']['guard check']['median_us']:.0f} us in step vs "
-            f"{hot['guard check']:.1f} us hot")
+            f"{hot['guard check']:.1f} us hot; {hot['tag_safe_roots']} tag-safe guard subtrees")
     for line in lines:
         print(line)
     md += "\n" + "\n\n".join(lines) + "\n"

@@ -103,10 +103,13 @@ def test_decode_latency_benchmark_smoke(tmp_path):
     assert "decode b8 qaic / eager" in out
 
 
-@pytest.mark.slow  # ~15 s on 2 cores; `make test-all` runs it
-def test_region_entry_benchmark_smoke(tmp_path):
-    out = run_benchmark("region_entry.py", tmp_path)
+@pytest.mark.slow  # ~15 s on 2 cores each; `make test-all` runs it
+@pytest.mark.parametrize("dict_tags", [False, True])
+def test_region_entry_benchmark_smoke(tmp_path, dict_tags):
+    out = run_benchmark("region_entry.py", tmp_path, *(["--dict-tags"] if dict_tags else []))
     result = json.loads((tmp_path / "region_entry_quick.json").read_text())
+    # The flag reaches the block's guards only when set while Dynamo compiles the block.
+    assert (result["hot_us"]["tag_safe_roots"] > 0) == dict_tags and result["dict_tags"] == dict_tags
     regional, whole = result["engines"]["regional"]["per_call"], result["engines"]["whole"]["per_call"]
     # 2 layers: regional runs pre + post per layer, whole one fused piece per layer (+ the ends)
     assert regional["lookup"]["calls_per_step"] == 6  # 2 blocks + embed_tokens, rotary_emb, norm, lm_head
