@@ -4,7 +4,9 @@ The rule it must keep: two pieces that could compute different results never sha
 two pieces that always compute the same function of their inputs should.
 
 In the key:
-  * every node's op kind and target, and every argument: references to other nodes by
+  * every node's op kind and target, the dtype and shape Dynamo traced for it (the
+    default dtype, autocast and guards change them under the same ops), and every
+    argument: references to other nodes by
     position, and the *values* of constants (floats by exact repr, so an RMSNorm eps of
     1e-5 and 1e-6 differ; strings, so a per-layer name in a custom op differs; dtypes,
     devices, slices; tensor constants by a hash of their bytes);
@@ -162,7 +164,7 @@ class CanonicalNames:
 
 def _tensor_digest(t: torch.Tensor) -> dict[str, Any]:
     t = t.detach().cpu().contiguous()
-    data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""  # 0-d cannot view as bytes
     return {
         "dtype": str(t.dtype),
         "shape": list(t.shape),
@@ -239,9 +241,24 @@ def _graph_body(gm: fx.GraphModule, canon: CanonicalNames, prefix: str = "") -> 
             continue
         canon.nodes[node] = f"{prefix}n{len(body)}"
         body.append(
-            [node.op, _target(node, gm, canon), canon.value(tuple(node.args)), canon.value(dict(node.kwargs))]
+            [node.op, _target(node, gm, canon), canon.value(tuple(node.args)), canon.value(dict(node.kwargs)),
+             _traced_value(node.meta.get("val", node.meta.get("example_value")), canon)]
         )
     return body
+
+
+def _traced_value(v: Any, canon: CanonicalNames) -> Any:
+    """The dtype and shape Dynamo traced for a node. The ops and arguments alone do not fix
+    them: ``torch.ones(3)`` follows the default dtype, a matmul the ambient autocast, and
+    ``x[:16]`` is ``[s0]`` or ``[16]`` depending on which side of a guard the graph was
+    traced - each computes something else under the same nodes."""
+    if isinstance(v, torch.Tensor):
+        return {"dtype": str(v.dtype).replace("torch.", ""), "shape": [canon.size(d) for d in v.shape]}
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return canon.size(v)
+    if isinstance(v, (list, tuple)):
+        return [_traced_value(x, canon) for x in v]
+    return None
 
 
 def fingerprint(gm: fx.GraphModule, example_args: Sequence[Any], config_hash: str) -> Fingerprint:
@@ -257,7 +274,7 @@ def fingerprint(gm: fx.GraphModule, example_args: Sequence[Any], config_hash: st
         inputs.append(canon.example(arg))
     body = _graph_body(gm, canon)
     payload = {
-        "format": 3,
+        "format": 4,
         "inputs": inputs,
         "graph": body,
         "config_hash": config_hash,

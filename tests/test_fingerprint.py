@@ -158,3 +158,56 @@ def test_edited_user_function_changes_the_key():
 
     scale_v2.__qualname__ = scale_v1.__qualname__  # same name, different code constant
     assert key_of(lambda x: scale_v1(x) + 1, X).key != key_of(lambda x: scale_v2(x) + 1, X).key
+
+
+def ones_plus(x, w):
+    return x * w + torch.ones(8)
+
+
+def matmul(x, w):
+    return x @ w.unsqueeze(1)
+
+
+def head16(x):
+    return x[:16] * 2
+
+
+def test_the_default_dtype_is_in_the_key():
+    # torch.ones(8) carries no dtype in the graph: it is float64 under this default.
+    base = key_of(ones_plus, X, W).key
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert key_of(ones_plus, X, W).key != base
+    finally:
+        torch.set_default_dtype(old)
+    assert key_of(ones_plus, X, W).key == base
+
+
+def test_ambient_autocast_is_in_the_key():
+    base = key_of(matmul, X, W).key
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert key_of(matmul, X, W).key != base  # the same nodes, a bfloat16 matmul
+    assert key_of(matmul, X, W).key == base
+
+
+def test_graphs_traced_on_two_sides_of_a_guard_differ():
+    # Dynamo traces x[:16] as [s0] for s0 <= 16 and as [16] above: the same nodes and inputs.
+    short, long = key_of(head16, torch.randn(12), dynamic=True), key_of(head16, torch.randn(20), dynamic=True)
+    assert short.inputs["inputs"] == long.inputs["inputs"] and short.key != long.key
+    assert key_of(head16, torch.randn(13), dynamic=True).key == short.key
+
+
+def test_a_zero_dim_tensor_constant_is_keyed_by_value():
+    class Scale(torch.nn.Module):
+        def __init__(self, s):
+            super().__init__()
+            self.register_buffer("s", torch.tensor(s))  # 0-d: a get_attr of a 0-d tensor
+
+        def forward(self, x):
+            return x * self.s
+
+    def key(s):
+        return fingerprint(torch.fx.symbolic_trace(Scale(s)), [X], "cfg").key
+
+    assert key(0.5) == key(0.5) != key(0.25)
