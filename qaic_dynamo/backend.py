@@ -346,7 +346,11 @@ class QaicBackend:
         else:
             entry.artifact = str(result.artifact.path)
             entry.exporter_fallback = result.artifact.layout.stats.get("exporter_fallback")
-            setattr(split_gm, piece.name, PieceRunner(result.artifact, piece.graph_module, self.config, label))
+            runner = PieceRunner(result.artifact, piece.graph_module, self.config, label)
+            # Dynamo guards grad mode, so this graph only ever runs with it as it is now.
+            runner.differentiable = torch.is_grad_enabled() and any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+            setattr(split_gm, piece.name, runner)
         entry.seconds = time.perf_counter() - t0
         return entry
 

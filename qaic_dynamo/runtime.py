@@ -152,8 +152,49 @@ class _ThreadBinding:
         self.bound: dict[str, tuple[int, tuple[int, ...], torch.dtype, bool]] = {}
 
 
+class _NoBackward(torch.autograd.Function):
+    """Gives a piece's outputs the autograd edges an eager piece would have, with a backward
+    that raises: ONNX Runtime computes no gradients, and an output without a ``grad_fn``
+    would make ``backward()`` skip the piece's parameters silently whenever another term
+    of the loss still reaches the graph."""
+
+    @staticmethod
+    def forward(ctx: Any, label: str, n_out: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.label = label
+        outs = tensors[:n_out]
+        ctx.mark_non_differentiable(*(o for o in outs if not (o.is_floating_point() or o.is_complex())))
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise RuntimeError(
+            f"qaic_dynamo: {ctx.label} ran on ONNX Runtime, which computes no gradients; backend='qaic' is for "
+            "inference. Run the model under torch.no_grad() or torch.inference_mode(), or compile it with a "
+            "training backend (e.g. backend='inductor') to differentiate through it"
+        )
+
+
+def no_backward(label: str, outputs: Any, inputs: Sequence[Any]) -> Any:
+    """``outputs`` (a piece's result: a tensor or a tuple/list of them) connected to the
+    ``inputs`` that require grad through :class:`_NoBackward`."""
+    needs = [a for a in inputs if isinstance(a, torch.Tensor) and a.requires_grad]
+    single = isinstance(outputs, torch.Tensor)
+    flat = [outputs] if single else list(outputs)
+    where = [i for i, o in enumerate(flat) if isinstance(o, torch.Tensor)]
+    if not needs or not where:
+        return outputs
+    tied = _NoBackward.apply(label, len(where), *(flat[i] for i in where), *needs)
+    for i, t in zip(where, tied):
+        flat[i] = t
+    return flat[0] if single else type(outputs)(flat)
+
+
 class PieceRunner(torch.nn.Module):
     """One call site of an artifact; falls back to the eager piece if a run fails.
+
+    A piece compiled with grad mode on and inputs that require grad (a model called
+    without ``torch.no_grad()``) has ``differentiable`` set: its outputs then carry
+    autograd edges whose backward raises (:func:`no_backward`) instead of none at all.
 
     The per-call path is kept lean because it runs once per layer per step: bindings are
     compared with what is already bound and only changed ones are re-bound (weights and
@@ -172,6 +213,7 @@ class PieceRunner(torch.nn.Module):
         self.config = config
         self.label = label
         self.use_eager = False
+        self.differentiable = False  # see the class docstring
         self._local = threading.local()
         layout = artifact.layout
         self._updates = [(u["layer_name"], u["op"]) for u in layout.kv_updates]
@@ -336,7 +378,10 @@ class PieceRunner(torch.nn.Module):
             warn_fallback(self.label, f"ONNX Runtime failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             return out
         # Outside the fallback: an error here is a bug in the layout, and must surface.
-        return self._assemble(args, outs, sym)
+        out = self._assemble(args, outs, sym)
+        if self.differentiable and torch.is_grad_enabled():
+            return no_backward(self.label, out, args)
+        return out
 
     def _binds_empty(self, args: Sequence[Any], ctx: Any) -> bool:
         """Whether this call binds a zero-size tensor."""

@@ -210,6 +210,21 @@ def test_plain_transformer_split_at_sdpa(L):
     torch.testing.assert_close(out, model(ids), atol=1e-4, rtol=1e-4)
 
 
+def test_backward_through_a_compiled_piece_raises_instead_of_dropping_its_gradients():
+    # A parameter the eager attention piece reads directly still gets its gradient, so
+    # backward() ran fine while the compiled pieces' parameters silently got none.
+    torch.manual_seed(0)
+    model, ids = PlainTransformer(2).eval(), torch.randint(0, 100, (2, 9))
+    compiled = torch.compile(model, backend="qaic", options={"splitting_ops": ["aten::scaled_dot_product_attention"]})
+    out = compiled(ids)  # grad mode on, as a model called without torch.no_grad()
+    torch.testing.assert_close(out, model(ids), atol=1e-4, rtol=1e-4)
+    assert out.requires_grad and out.grad_fn is not None
+    with pytest.raises(RuntimeError, match="ran on ONNX Runtime, which computes no gradients.*torch.no_grad"):
+        out.sum().backward()
+    with torch.no_grad():  # a graph of its own (Dynamo guards grad mode): no autograd edges
+        assert not compiled(ids).requires_grad
+
+
 def test_no_splitting_ops_is_one_piece():
     torch.manual_seed(0)
     model = PlainTransformer(2).eval()
