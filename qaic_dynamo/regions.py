@@ -308,7 +308,36 @@ def dynamo_internals() -> DynamoInternals | None:
 #: Code objects whose calls all go through Dynamo, as :meth:`GuardedDispatch.after_dynamo`
 #: infers: ones Dynamo has marked skipped (the mark is the code object's, Dynamo's frame
 #: state, shared by every region running it), and ones whose compile broke the graph.
-DYNAMO_SKIPPED: weakref.WeakSet[types.CodeType] = weakref.WeakSet()
+class _CodeSet:
+    """A set of code objects by identity, holding them weakly. Not a ``WeakSet``: that
+    compares by equality, and two code objects with the same bytecode, names and constants
+    are equal - two models' region entry functions for one path are - while Dynamo's
+    skip mark belongs to one of them."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref] = {}
+
+    def add(self, code: types.CodeType) -> None:
+        key = id(code)
+        self._refs[key] = weakref.ref(code, lambda _, key=key: self._refs.pop(key, None))
+
+    def discard(self, code: types.CodeType) -> None:
+        ref = self._refs.get(id(code))
+        if ref is not None and ref() is code:
+            del self._refs[id(code)]
+
+    def __contains__(self, code: object) -> bool:
+        ref = self._refs.get(id(code))
+        return ref is not None and ref() is code
+
+    def __bool__(self) -> bool:
+        return bool(self._refs)
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+
+DYNAMO_SKIPPED = _CodeSet()
 
 
 class GuardedDispatch:
@@ -398,24 +427,31 @@ class GuardedDispatch:
         if (stance.stance != "default" or stance.backend is not None or stance.skip_guard_eval_unsafe
                 or torch.compiler.is_compiling() or torch.jit.is_tracing()):
             return None
-        if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or any(internals.global_hooks)):
-            return None
+        # nn.Module.__call__ runs hooks, so a hooked call goes to Dynamo; the scan below still
+        # runs, so after_dynamo can tell a miss that Dynamo skipped (a TorchDispatchMode
+        # such as FlopCounterMode also sets global hooks).
+        hooked = bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                      or module._backward_pre_hooks or any(internals.global_hooks))
         if self.method and (type(module).forward is not func or "forward" in module.__dict__
                             or not _calls_forward_plainly(module)):
             return None
         if func.__code__ is not self.code:  # Dynamo compiles the new code; its entries are not these
             return None
+        entries = internals.cache_entries(self.code, self.isolate_recompiles_id)
+        if hooked and self.method and (module._forward_pre_hooks or internals.global_hooks[1]):
+            # A forward pre-hook may change the arguments forward's frame gets: count the
+            # call a miss. A hit then marks the code skipped - slower, never different.
+            self._thread.miss = len(entries)
+            return None
         f_locals = self._frame_locals(args, kwargs)
         if f_locals is None:
             return None
-        entries = internals.cache_entries(self.code, self.isolate_recompiles_id)
         for entry in entries:
             # An entry Dynamo invalidated keeps a guard manager that passes, and no backend.
             if entry.backend is None or not self._same_backend(entry.backend):
                 continue
             if entry.guard_manager.check(f_locals):
-                return self._function(entry.code)
+                return None if hooked else self._function(entry.code)
         self._thread.miss = len(entries)
         return None
 
@@ -562,9 +598,10 @@ def _drop_wrapper_prefix(module: nn.Module, state: dict[str, Any], prefix: str, 
 
 
 def _add_wrapper_prefix(state: dict[str, Any], prefix: str, *args: Any) -> None:
-    inner = prefix + "module."
-    for key in [k for k in state if k.startswith(prefix) and not k.startswith(inner)]:
-        state[inner + key[len(prefix):]] = state.pop(key)
+    # Every key: the wrapper has no state of its own, and a key that already reads
+    # ``<prefix>module.`` is the wrapped module's own submodule named ``module``.
+    for key in [k for k in state if k.startswith(prefix)]:
+        state[prefix + "module." + key[len(prefix):]] = state.pop(key)
 
 
 def compile(model: nn.Module, **options: Any) -> nn.Module:  # noqa: A001  (mirrors torch.compile)

@@ -245,6 +245,36 @@ def test_a_block_runner_keeps_every_layers_weights_bound(L):
 # --- guarded dispatch: Dynamo's cache, Dynamo's guards, without Dynamo's per-call entry ---
 
 
+class Wraps(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.module = nn.Linear(8, 8)  # the wrapper's own attribute name
+
+    def forward(self, x):
+        return self.module(x)
+
+
+class WrapsStack(nn.Module):
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = nn.ModuleList(Wraps() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_block_with_a_submodule_named_module_loads_its_checkpoint():
+    src, dst = WrapsStack(0), WrapsStack(1)
+    qaic_dynamo.compile(dst)
+    assert list(dst.state_dict()) == list(src.state_dict())
+    dst.load_state_dict(src.state_dict())  # strict: every key found (was missing/unexpected)
+    assert dst.layers[1].module.module.weight.equal(src.layers[1].module.weight)
+    src.load_state_dict(dst.state_dict())
+
+
 class Scaled(nn.Module):
     """A block whose forward branches on a plain attribute: Dynamo guards on its value."""
 
@@ -432,7 +462,17 @@ def piece_runs(monkeypatch):
     return runs
 
 
-@pytest.mark.parametrize("trigger", ["disabled", "dispatch_mode"])
+def _skipping(trigger):
+    if trigger == "disabled":
+        return torch._dynamo.config.patch(disable=True)
+    if trigger == "flop_counter":  # a TorchDispatchMode that also sets global module hooks
+        from torch.utils.flop_counter import FlopCounterMode
+
+        return FlopCounterMode(display=False)
+    return _PassThrough()
+
+
+@pytest.mark.parametrize("trigger", ["disabled", "dispatch_mode", "flop_counter"])
 @pytest.mark.parametrize("dispatch", ["guarded", "dynamo"])
 def test_a_code_object_dynamo_skipped_runs_eagerly_in_both_dispatches(dispatch, trigger, piece_runs):
     """A miss Dynamo does not compile (Dynamo disabled, a TorchDispatchMode active) marks
@@ -447,7 +487,7 @@ def test_a_code_object_dynamo_skipped_runs_eagerly_in_both_dispatches(dispatch, 
             piece_runs.clear()
             torch.testing.assert_close(model(x), ref(x))  # a hit still runs Dynamo's entry
             assert len(piece_runs) == 1 + 2  # inp, two layers
-        with (torch._dynamo.config.patch(disable=True) if trigger == "disabled" else _PassThrough()):
+        with _skipping(trigger):
             with compilation_counter.expect(num_guarded_region_calls=0, num_dynamo_region_calls=1 + 2,
                                             num_graphs_seen=0):  # nothing compiled: eager
                 torch.testing.assert_close(model(wide), ref(wide))
@@ -464,6 +504,22 @@ def test_a_code_object_dynamo_skipped_runs_eagerly_in_both_dispatches(dispatch, 
         piece_runs.clear()
         torch.testing.assert_close(model(x), ref(x))
         assert len(piece_runs) == 1 + 2
+
+
+def test_a_skip_mark_belongs_to_its_code_object_not_to_an_equal_one(piece_runs):
+    # Two models' region entry functions for one path have equal code objects; the mark
+    # Dynamo set on A's must not be cleared by B's first lookup.
+    a, ref, x = compiled_stack()
+    b, _, _ = compiled_stack()
+    assert a.inp.dispatch.code == b.inp.dispatch.code and a.inp.dispatch.code is not b.inp.dispatch.code
+    with torch.no_grad():
+        a(x)
+        with torch._dynamo.config.patch(disable=True):
+            a(torch.randn(5, 8))  # a miss Dynamo does not compile: A's code objects marked skipped
+        b(x)
+        piece_runs.clear()
+        torch.testing.assert_close(a(x), ref(x))
+        assert piece_runs == []  # as Dynamo: A's code runs eagerly until a reset
 
 
 class BreaksInSub(nn.Module):
