@@ -169,15 +169,18 @@ class LLM:
         seed: int = 0,
     ) -> None:
         from qaic_dynamo.models import load_model, max_positions
-        from qaic_dynamo.sampling import Sampler
+        from qaic_dynamo.sampling import SEED_RANGE, Sampler, is_seed
 
         if backend not in BACKENDS:
             raise ValueError(f"LLM: backend must be one of {list(BACKENDS)}, got {backend!r}")
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len), ("block_size", block_size)):
-            if value is None and name == "max_model_len":
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len), ("block_size", block_size),
+                            ("num_blocks", num_blocks)):
+            if value is None and name in ("max_model_len", "num_blocks"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"LLM: {name} must be a positive int, got {value!r}")
+        if not is_seed(seed):  # checked before the model loads, not by torch at the end
+            raise ValueError(f"LLM: seed must be {SEED_RANGE}, got {seed!r}")
         self.model = load_model(model, layer_agnostic_kv_update=layer_agnostic_kv_update, dtype=dtype)
         self.model.eval()
         # As vLLM: positions past the model's trained range are refused, not run.
@@ -216,7 +219,7 @@ class LLM:
             self._fn = torch.compile(self.model, backend="inductor")
         self.stats: dict[str, float] = {}
         self.tokenizer = _load_tokenizer(model, tokenizer)
-        self.sampler = Sampler(self._eos_token_ids(), seed)
+        self.sampler = Sampler(self._eos_token_ids(), int(seed))
 
     def _eos_token_ids(self) -> list[int]:
         """The model's EOS token(s), from its generation or model config, and the

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["SamplingParams", "Sampler", "is_token_id"]
+__all__ = ["SamplingParams", "Sampler", "is_seed", "is_token_id"]
 
 
 class SamplingParamsError(ValueError):
@@ -58,8 +58,8 @@ class SamplingParams:
         if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
             raise bad("top_p", "a number in (0, 1]")
         if self.seed is not None:
-            if not is_token_id(self.seed) or not -2**63 <= int(self.seed) < 2**64:
-                raise bad("seed", "an int in [-2**63, 2**64) (torch.Generator's range) or None")
+            if not is_seed(self.seed):
+                raise bad("seed", f"{SEED_RANGE} or None")
             object.__setattr__(self, "seed", int(self.seed))
         # Materialised first: a generator would be used up by the check and stored empty.
         stops = () if self.stop_token_ids is None else self.stop_token_ids
@@ -71,6 +71,14 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "a bool")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+
+
+SEED_RANGE = "an int in [-2**63, 2**64) (torch.Generator's range)"
+
+
+def is_seed(v: Any) -> bool:
+    """An int (Python or numpy, not a bool) that ``torch.Generator.manual_seed`` takes."""
+    return is_token_id(v) and -2**63 <= int(v) < 2**64
 
 
 def is_token_id(t: Any) -> bool:

@@ -157,6 +157,27 @@ def test_bad_constructor_arguments():
         LLM(base, backend="eager")
 
 
+@pytest.mark.parametrize("kw, message", [
+    (dict(num_blocks=2.5), "num_blocks must be a positive int, got 2.5"),
+    (dict(num_blocks=True), "num_blocks must be a positive int, got True"),
+    (dict(num_blocks="8"), "num_blocks must be a positive int, got '8'"),
+    (dict(num_blocks=0), "num_blocks must be a positive int, got 0"),
+    (dict(seed=2**64), r"seed must be an int in \[-2\*\*63, 2\*\*64\).*got 18446744073709551616"),
+    (dict(seed=None), "seed must be an int.*got None"),
+    (dict(seed=1.5), "seed must be an int.*got 1.5"),
+])
+def test_bad_counts_and_seeds_are_named(kw, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(reference("llama", 2), backend="eager", **kw)
+
+
+def test_a_numpy_seed_is_taken():
+    import numpy as np
+
+    llm = LLM(reference("llama", 2), backend="eager", seed=np.int64(3), num_blocks=64)
+    assert llm.num_blocks == 64 and len(llm.generate([[1, 2]], 2)[0]) == 2
+
+
 def test_local_model_directory(tmp_path):
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)
