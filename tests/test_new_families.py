@@ -20,6 +20,27 @@ def hf_generate(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
+GEMMA4 = dict(model_type="gemma4_text", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              head_dim=16, global_head_dim=16, num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
+              max_position_embeddings=64, layer_types=["sliding_attention", "full_attention"],
+              hidden_size_per_layer_input=0, vocab_size_per_layer_input=512)
+
+
+def test_gemma4_with_one_head_size_runs():
+    # Its config's head_dim is per layer (transformers refuses the global read): the
+    # attention modules give it. The reference is transformers' forward over the whole
+    # sequence without a cache: its generate() with a sliding-window cache picks another
+    # 6th token for the first prompt here (the no-cache forward agrees with the engine).
+    model = hf_model_from_config(hf_config(GEMMA4))
+    eager = LLM(model, backend="eager").generate(PROMPTS, 6)
+    with compilation_counter.expect(num_eager_fallbacks=0):
+        assert LLM(model, backend="qaic").generate(PROMPTS, 6) == eager
+    for prompt, tokens in zip(PROMPTS, eager):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens]), use_cache=False).logits[0]
+        assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == tokens
+
+
 def gemma2(layers):
     from transformers import Gemma2Config
 
@@ -133,6 +154,9 @@ def test_a_window_applied_only_through_the_mask_reaches_the_op(family, regional)
           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None,
           qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
           first_k_dense_replace=1), "multi-head latent attention"),
+    # Gemma 4: full-attention layers with their own head size (one cache shape for all layers:
+    # failed at the first step with "key has head_size 32 but key_cache has head_size 16")
+    (dict(GEMMA4, global_head_dim=32), r"different head sizes \(layer 0: 16, layer 1: 32\)"),
 ])
 def test_attention_the_op_cannot_run_is_refused_when_the_model_is_built(config, message):
     with pytest.raises(NotImplementedError, match=message):

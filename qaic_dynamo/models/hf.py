@@ -197,6 +197,15 @@ class HFCausalLM(nn.Module):
                 f"attention interface but the config has {expected} layers; this architecture is not "
                 "supported by attn_implementation='qaic'"
             )
+        head_dims = {i: m.head_dim for i, (_, m) in enumerate(layers) if isinstance(getattr(m, "head_dim", None), int)}
+        if len(set(head_dims.values())) > 1:
+            # One KV cache shape serves every layer (Gemma 4's full-attention layers have
+            # their own global_head_dim): a cache of the wrong size would fail at the first step.
+            sizes = ", ".join(f"layer {i}: {d}" for i, d in head_dims.items())
+            raise NotImplementedError(
+                f"{type(hf_model).__name__} has attention layers with different head sizes ({sizes}); the qaic "
+                "engine keeps one KV-cache shape for every layer, so this architecture is not supported"
+            )
         unsupported = unsupported_attention_features(text_config, layers)
         if unsupported:
             raise NotImplementedError(
@@ -221,7 +230,8 @@ class HFCausalLM(nn.Module):
         self.vocab_size = text_config.vocab_size
         # Multi-head attention configs (GPT-2, GPT-NeoX, OPT) have no num_key_value_heads.
         self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
-        self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        self.head_dim = (next(iter(head_dims.values())) if head_dims else getattr(text_config, "head_dim", None)
+                         or text_config.hidden_size // text_config.num_attention_heads)
 
     @property
     def kv_cache_layers(self) -> list[str]:
