@@ -168,7 +168,7 @@ class LLM:
         tokenizer: Any = None,
         seed: int = 0,
     ) -> None:
-        from qaic_dynamo.models import load_model, max_positions
+        from qaic_dynamo.models import batch_dependent_rope, load_model, max_positions
         from qaic_dynamo.sampling import SEED_RANGE, Sampler, is_seed
 
         if backend not in BACKENDS:
@@ -183,6 +183,14 @@ class LLM:
             raise ValueError(f"LLM: seed must be {SEED_RANGE}, got {seed!r}")
         self.model = load_model(model, layer_agnostic_kv_update=layer_agnostic_kv_update, dtype=dtype)
         self.model.eval()
+        rope = batch_dependent_rope(self.model)
+        if rope is not None and max_num_seqs > 1:
+            # The engine runs a step's requests as one sequence of tokens, so one long request
+            # would change the RoPE frequencies - and the tokens - of every short one.
+            raise ValueError(
+                f"LLM: the model's rope_type {rope!r} takes its frequencies from the longest sequence in a forward "
+                f"(transformers), so requests batched together would change each other's outputs; pass "
+                f"max_num_seqs=1 to serve one request at a time")
         # As vLLM: positions past the model's trained range are refused, not run.
         positions = max_positions(self.model)
         if max_model_len is None:

@@ -315,3 +315,33 @@ def with_canonical_names(model_bytes):
     for info in graph.value_info:
         info.name = names.get(info.name, info.name)
     return model.SerializeToString()
+
+
+def phi3_longrope():
+    from transformers import Phi3Config
+
+    return hf_model_from_config(Phi3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, original_max_position_embeddings=32, pad_token_id=0,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                         "long_factor": [8.0] * 8, "original_max_position_embeddings": 32}))
+
+
+def llama_dynamic_rope():
+    return hf_model_from_config(hf_config(dict(model_type="llama", max_position_embeddings=32, **SMALL,
+                                               num_hidden_layers=2, rope_parameters={
+                                                   "rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})))
+
+
+@pytest.mark.parametrize("build, kind", [(phi3_longrope, "longrope"), (llama_dynamic_rope, "dynamic")])
+def test_rope_that_depends_on_the_longest_sequence_serves_one_request_at_a_time(build, kind):
+    # transformers picks these frequencies from max(position_ids) + 1 of the forward: a
+    # 60-token request batched with a 5-token one changed the short one's tokens.
+    model = build()
+    with pytest.raises(ValueError, match=f"rope_type '{kind}' takes its frequencies from the longest sequence.*"
+                                         "max_num_seqs=1"):
+        LLM(model, backend="eager", max_num_seqs=2)
+    prompts = [list(range(1, 61)), [5, 6, 7, 8, 9]]  # past and within the original 32 positions
+    llm = LLM(model, backend="qaic", max_num_seqs=1, max_model_len=128)
+    assert [llm.generate([p], 4)[0] for p in prompts] == [hf_generate(model, p, 4) for p in prompts]
+

@@ -37,6 +37,8 @@ __all__ = [
     "QaicMLAForCausalLM",
     "QaicModelConfig",
     "REFERENCE_MODELS",
+    "BATCH_DEPENDENT_ROPE",
+    "batch_dependent_rope",
     "max_positions",
     "model_config",
     "copy_module_tree",
@@ -167,6 +169,25 @@ def max_positions(model: nn.Module) -> int | None:
             base = rope.get("original_max_position_embeddings") if kind == "yarn" else None
             n = int((base if isinstance(base, int) else n) * factor)
     return n
+
+
+#: RoPE kinds whose frequencies transformers picks per forward from the largest position in
+#: it (``max(position_ids) + 1``): in a batch, the longest sequence's choice holds for all.
+BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def batch_dependent_rope(model: nn.Module) -> str | None:
+    """The model's RoPE kind if it is one of :data:`BATCH_DEPENDENT_ROPE` (in any layer type)."""
+    cfg = model_config(model)
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+    if not isinstance(rope, dict):
+        return None
+    kinds = [r for r in rope.values() if isinstance(r, dict)] if all(isinstance(v, dict) for v in rope.values()) else [rope]
+    for r in kinds:
+        kind = r.get("rope_type") or r.get("type")
+        if kind in BATCH_DEPENDENT_ROPE:
+            return kind
+    return None
 
 
 def load_model(model: Any, layer_agnostic_kv_update: bool = True, dtype: torch.dtype | None = None) -> nn.Module:
