@@ -326,8 +326,11 @@ class QaicBackend:
             if self.config.runtime == "qaic":
                 qaic_compile(out_dir, out_dir / "qpc")
 
+        if fp.unkeyed_ops:
+            logger.info("%s: not cached on disk: the kernels of %s are not in its key", label, ", ".join(fp.unkeyed_ops))
         result = artifact_cache.get_or_compile(
-            fp.key, compile_into, disk=self.disk, num_threads=self.num_threads, describe=fp.inputs
+            fp.key, compile_into, disk=None if fp.unkeyed_ops else self.disk, num_threads=self.num_threads,
+            describe=fp.inputs,
         )
         entry.source = result.source
         entry.compile_seconds, entry.load_seconds = result.compile_seconds, result.load_seconds

@@ -24,7 +24,9 @@ Not in the key: node and placeholder names, the layer's position, and parameter 
 (parameters are inputs; their metadata is in the key, their values are not).
 
 A call to a Python function that is not part of torch is keyed by its qualified name and
-a hash of its bytecode and constants, so editing the function changes the key.
+a hash of its bytecode and constants, so editing the function changes the key. An op of
+another library (``torch.ops.mylib.scale``) is keyed by its name: its kernel is not
+reachable to hash, so such a piece is cached in memory only (``Fingerprint.unkeyed_ops``).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import torch.fx as fx
 
 from qaic_dynamo.artifact import LAYOUT_FORMAT
 
-__all__ = ["CanonicalNames", "Fingerprint", "canonical_names", "code_digest", "fingerprint", "library_versions", "package_code_digest"]
+__all__ = ["CanonicalNames", "Fingerprint", "KEYED_NAMESPACES", "canonical_names", "code_digest", "fingerprint", "library_versions", "package_code_digest"]
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 
@@ -55,6 +57,10 @@ PACKAGE_ROOT = Path(__file__).resolve().parent
 class Fingerprint:
     key: str  # sha256 hex
     inputs: dict[str, Any]  # everything that went into the key, JSON-serialisable
+    #: Ops of other libraries in the piece (``mylib::scale``): keyed by name only, their
+    #: kernels - which lowering may inline - are not in the key, so an edit to one would
+    #: not change it. Such a piece is cached in memory only, never on disk.
+    unkeyed_ops: tuple[str, ...] = ()
 
     @property
     def prefix(self) -> str:
@@ -261,6 +267,28 @@ def _traced_value(v: Any, canon: CanonicalNames) -> Any:
     return None
 
 
+#: Namespaces of ops whose kernels the key covers: torch's own (its version is in the key)
+#: and qaic's (the package's code digest is).
+KEYED_NAMESPACES = frozenset({
+    "aten", "prims", "rngprims", "higher_order", "_c10d_functional", "c10d_functional", "_dtensor", "quantized",
+    "_quantized", "profiler", "inductor", "onnx", "qaic",
+})
+
+
+def _unkeyed_ops(gm: fx.GraphModule) -> set[str]:
+    found: set[str] = set()
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op == "call_function" and isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            if str(target).split(".", 1)[0] not in KEYED_NAMESPACES:  # "mylib.scale.default"
+                found.add(str(target))
+        elif node.op in ("get_attr", "call_module"):
+            sub = operator.attrgetter(node.target)(gm)
+            if isinstance(sub, fx.GraphModule):
+                found |= _unkeyed_ops(sub)
+    return found
+
+
 def fingerprint(gm: fx.GraphModule, example_args: Sequence[Any], config_hash: str) -> Fingerprint:
     canon = CanonicalNames()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -283,4 +311,4 @@ def fingerprint(gm: fx.GraphModule, example_args: Sequence[Any], config_hash: st
         "layout_format": LAYOUT_FORMAT,
     }
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
-    return Fingerprint(hashlib.sha256(blob.encode()).hexdigest(), payload)
+    return Fingerprint(hashlib.sha256(blob.encode()).hexdigest(), payload, tuple(sorted(_unkeyed_ops(gm))))

@@ -269,6 +269,31 @@ def test_unlowerable_piece_falls_back_and_stays_correct():
     assert "qaic_test.opaque_gelu" in piece.fallback
 
 
+_user_lib = torch.library.Library("qaic_test_user", "DEF")
+_user_lib.define("scale(Tensor x) -> Tensor")
+
+
+@torch.library.impl(_user_lib, "scale", "CompositeImplicitAutograd")
+def _user_scale(x):
+    return x * 2.0  # lowering inlines this kernel; the key knows only the op's name
+
+
+def test_a_piece_with_another_librarys_op_is_cached_in_memory_only(tmp_path):
+    # An edit to the kernel above would not change the key: a later process reused the
+    # artifact of the old kernel from disk.
+    torch.manual_seed(0)
+    lin, x = nn.Linear(4, 4).eval(), torch.randn(2, 4)
+    fn = lambda t: torch.ops.qaic_test_user.scale(lin(t))  # noqa: E731
+    with compilation_counter.expect(num_backend_compilations=1, num_disk_cache_writes=0, num_eager_fallbacks=0), \
+            torch.no_grad():
+        out = torch.compile(fn, backend="qaic", options={"cache_dir": str(tmp_path)})(x)
+    torch.testing.assert_close(out, fn(x))
+    assert not list(tmp_path.rglob("model.onnx"))
+    torch._dynamo.reset()
+    with compilation_counter.expect(num_backend_compilations=0, num_piece_reuses=1), torch.no_grad():
+        torch.compile(fn, backend="qaic", options={"cache_dir": str(tmp_path)})(x)  # memory serves it
+
+
 def test_fallback_error_raises():
     model, x = WithOpaqueOp().eval(), torch.randn(4, 16)
     with pytest.raises(Exception, match="the ONNX exporter failed.*options=\\{'fallback': 'eager'\\}"):

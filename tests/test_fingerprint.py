@@ -211,3 +211,13 @@ def test_a_zero_dim_tensor_constant_is_keyed_by_value():
         return fingerprint(torch.fx.symbolic_trace(Scale(s)), [X], "cfg").key
 
     assert key(0.5) == key(0.5) != key(0.25)
+
+
+_lib = torch.library.Library("qaic_test_fp", "DEF")
+_lib.define("scale(Tensor x) -> Tensor")
+_lib.impl("scale", lambda x: x * 2.0, "CompositeImplicitAutograd")
+
+
+def test_ops_of_other_libraries_are_named_as_unkeyed():
+    assert key_of(lambda x: torch.ops.qaic_test_fp.scale(x) + 1, X).unkeyed_ops == ("qaic_test_fp.scale",)
+    assert key_of(norm_eps5, X, W).unkeyed_ops == () and key_of(kv_agnostic, *KV).unkeyed_ops == ()
