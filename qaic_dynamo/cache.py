@@ -200,6 +200,13 @@ class CompileCache:
             artifact = load(out_dir, num_threads)  # the session holds the model from here on
             load_s = time.perf_counter() - t1
         except (LoweringError, QaicCompileError, ArtifactError) as e:
+            if isinstance(e, ArtifactError) and tmp is not None and not out_dir.is_dir():
+                # The entry vanished between writing and loading it (``qaic-dynamo cache
+                # clear``, another process's eviction or tmp/ sweep): nothing is wrong with
+                # the piece, so compile it again into this process's scratch space.
+                disk.warn_once(f"qaic: cache entry {key[:12]} was removed while it compiled; compiling it "
+                               "again without the persistent cache")
+                return self._compile(key, compile_into, None, num_threads, describe)
             drop()
             with self._lock:
                 self._failed[key] = str(e)
@@ -450,6 +457,8 @@ class DiskCache:
             self.writes += 1
             return final, True
         except OSError as e:
+            if not tmp.is_dir():  # removed under us (a cache clear): the caller compiles again
+                return tmp, False
             self._degrade("cannot write", e)
             return tmp, False  # still a complete artifact for this process
 

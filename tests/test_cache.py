@@ -158,6 +158,37 @@ def test_a_disk_that_fills_while_a_piece_is_written_degrades_and_still_compiles(
     assert entries(tmp_path) == [] and not leftovers(tmp_path)
 
 
+@pytest.mark.parametrize("when", ["before_commit", "after_commit"])
+def test_an_entry_removed_while_it_compiles_is_compiled_again_not_failed(tmp_path, monkeypatch, when):
+    """``qaic-dynamo cache clear`` (or another process's eviction) between lowering and
+    loading: the piece ran eagerly for the rest of the process (or raised under
+    fallback="error") with "cannot read layout.json"."""
+    import qaic_dynamo.backend as backend
+
+    lower = backend.lower_piece
+    commit = DiskCache.commit
+
+    def lower_then_clear(*a, **k):
+        lower(*a, **k)
+        DiskCache(str(tmp_path), 1 << 30).clear()
+
+    def commit_then_clear(self, key, tmp):
+        out = commit(self, key, tmp)
+        DiskCache(str(tmp_path), 1 << 30).clear()
+        return out
+
+    if when == "before_commit":
+        monkeypatch.setattr(backend, "lower_piece", lower_then_clear)
+    else:
+        monkeypatch.setattr(DiskCache, "commit", commit_then_clear)
+    with compilation_counter.expect(num_backend_compilations=3, num_eager_fallbacks=0):  # first, middle, last
+        compile_once(tmp_path, fallback="error")  # compares with eager
+    monkeypatch.undo()
+    with compilation_counter.expect(num_backend_compilations=3, num_disk_cache_writes=3):
+        compile_once(tmp_path)  # the disk cache still works
+    assert len(entries(tmp_path)) == 3
+
+
 def test_disabled_cache_writes_nothing(tmp_path, monkeypatch):
     compile_once(tmp_path, cache=False)
     assert entries(tmp_path) == []
