@@ -58,6 +58,16 @@ AttentionMetadata::AttentionMetadata(
     TORCH_CHECK(
         lowest >= -1, "AttentionMetadata.slot_mapping entries must be >= -1 (-1 marks a padded "
         "token), got ", lowest);
+    // Two tokens writing one slot: the kernel keeps the last write, the lowered scatter an
+    // unspecified one, so the two update paths would disagree on the cache.
+    const at::Tensor real = std::get<0>(slot_mapping_i64.masked_select(slot_mapping_i64 >= 0).sort());
+    if (real.numel() > 1) {
+      const at::Tensor same = real.slice(0, 1).eq(real.slice(0, 0, -1));
+      TORCH_CHECK(
+          !same.any().item<bool>(), "AttentionMetadata.slot_mapping writes slot ",
+          real.slice(0, 1).masked_select(same)[0].item<int64_t>(),
+          " more than once; every token needs a slot of its own (-1 for padding)");
+    }
   }
   const int given = int(block_tables.has_value()) + int(seq_lens.has_value()) +
       int(query_start_loc.has_value());

@@ -202,8 +202,10 @@ class CompilationConfig:
 
 
     def resolved_cache_dir(self) -> str:
-        """The cache root: the option, else the environment's choice (see cache_dir)."""
-        return str(self.cache_dir) if self.cache_dir is not None else default_cache_dir()
+        """The cache root, absolute: the option, else the environment's choice (see
+        cache_dir). A relative one is taken from the current directory now, so a later
+        ``chdir`` does not move a cache that is in use."""
+        return os.path.abspath(str(self.cache_dir) if self.cache_dir is not None else default_cache_dir())
 
 
 def default_cache_dir() -> str:

@@ -207,6 +207,12 @@ def test_cache_location_precedence(tmp_path, monkeypatch):
     monkeypatch.setenv("QAIC_DYNAMO_CACHE_DIR", str(tmp_path / "env"))
     assert CompilationConfig().resolved_cache_dir() == str(tmp_path / "env")
     assert CompilationConfig(cache_dir=str(tmp_path / "opt")).resolved_cache_dir() == str(tmp_path / "opt")
+    # Relative roots are taken from the directory they were resolved in: a later chdir
+    # must not move a cache in use (entries would be looked up elsewhere).
+    monkeypatch.chdir(tmp_path)
+    assert CompilationConfig(cache_dir="rel").resolved_cache_dir() == str(tmp_path / "rel")
+    monkeypatch.setenv("QAIC_DYNAMO_CACHE_DIR", "envrel")
+    assert CompilationConfig().resolved_cache_dir() == str(tmp_path / "envrel")
 
 
 def test_concurrent_writers_leave_one_valid_entry_each(tmp_path):

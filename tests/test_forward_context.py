@@ -233,12 +233,12 @@ def test_python_resolution_matches_the_op():
     [
         (dict(slot_mapping=torch.zeros(2, 2, dtype=torch.long)), "slot_mapping must be 1-D"),
         (dict(slot_mapping=torch.zeros(2)), "slot_mapping must be int32 or int64"),
-        (dict(slot_mapping=torch.zeros(2, dtype=torch.long), seq_lens=torch.tensor([2])),
+        (dict(slot_mapping=torch.arange(2), seq_lens=torch.tensor([2])),
          "block_tables, seq_lens and query_start_loc go together"),
-        (dict(slot_mapping=torch.zeros(2, dtype=torch.long), block_tables=torch.zeros(1, 1, dtype=torch.long),
+        (dict(slot_mapping=torch.arange(2), block_tables=torch.zeros(1, 1, dtype=torch.long),
               seq_lens=torch.tensor([2]), query_start_loc=torch.tensor([0, 1, 2])),
          "query_start_loc must have num_seqs + 1 = 2 entries, got 3"),
-        (dict(slot_mapping=torch.zeros(2, dtype=torch.long), block_tables=torch.zeros(1, 1, dtype=torch.long),
+        (dict(slot_mapping=torch.arange(2), block_tables=torch.zeros(1, 1, dtype=torch.long),
               seq_lens=torch.tensor([1]), query_start_loc=torch.tensor([0, 2])),
          "sequence 0 has 2 new tokens but seq_len 1"),
         (dict(slot_mapping=torch.zeros(1, dtype=torch.long), block_tables=torch.zeros(1, 1, dtype=torch.long),
@@ -247,6 +247,9 @@ def test_python_resolution_matches_the_op():
         # The lowered scatter read any negative slot as padding; the kernel refused it.
         (dict(slot_mapping=torch.tensor([3, -2, -1])), "slot_mapping entries must be >= -1 (-1 marks a padded token), got -2"),
         (dict(slot_mapping=torch.tensor([-5], dtype=torch.int32)), "got -5"),
+        # The kernel kept the last of two writes to one slot, the lowered scatter either one.
+        (dict(slot_mapping=torch.tensor([7, -1, 3, -1, 7])), "slot_mapping writes slot 7 more than once"),
+        (dict(slot_mapping=torch.tensor([9, 9], dtype=torch.int32)), "writes slot 9 more than once"),
     ],
 )
 def test_metadata_validation(kwargs, message):
