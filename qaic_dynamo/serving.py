@@ -496,7 +496,7 @@ def _prefill_worker(model: Any, cfg: dict, descriptor: dict, jobs: Any, handoffs
             decode.close()
 
 
-def _decode_worker(model: Any, cfg: dict, descriptor: dict, handoffs: Any, control: Any, events: Any) -> None:
+def _decode_worker(model: Any, cfg: dict, descriptor: dict, handoff_queues: list, control: Any, events: Any) -> None:
     from qaic_dynamo.engine import Request
 
     decode = transport = None
@@ -510,6 +510,7 @@ def _decode_worker(model: Any, cfg: dict, descriptor: dict, handoffs: Any, contr
                                     cfg.get("init_method"), 0)
         events.put(("ready", "decode", None))
         running: list[tuple[Request, _Job]] = []
+        handoffs = handoff_queues[0]  # the first prefill worker's; each replacement has its own
 
         def finish(req: Request, job: _Job) -> None:
             events.put(("finished", job.request_id, (job.decode_slot, list(req.output_token_ids))))
@@ -534,13 +535,16 @@ def _decode_worker(model: Any, cfg: dict, descriptor: dict, handoffs: Any, contr
                 return
             if message:
                 # The prefill worker is dead, so nothing more is coming: admit everything it
-                # handed off, then say so (the server fails only what was not handed off).
+                # handed off, then say so (the server fails only what was not handed off),
+                # and read its replacement's queue from now on.
                 while True:
                     try:
                         admit(handoffs.get_nowait())
                     except queue.Empty:
                         break
-                events.put(("synced", message[1], None))
+                _, marker, generation = message
+                handoffs = handoff_queues[generation]
+                events.put(("synced", marker, None))
             while True:  # admit every prefilled request that arrived
                 try:
                     item = handoffs.get(timeout=0.05) if not running else handoffs.get_nowait()
@@ -605,14 +609,17 @@ class DisaggregatedServer:
     manager (or call :meth:`stop`): that always ends the workers and unlinks the shared
     memory. ``chunk_delay`` (seconds after each prefill chunk) slows prefill down for
     fault tests and demos. ``gloo_init_method`` (transport ``"gloo"``) is where the two
-    workers meet, by default a port on 127.0.0.1 that is free at start-up.
+    workers meet, by default a port on 127.0.0.1 that is free at start-up. A prefill worker
+    that dies is replaced up to ``max_prefill_restarts`` times (never with gloo, whose
+    process group dies with it); after that, requests fail with an error until the
+    server is restarted.
     """
 
     def __init__(self, model: Any, *, decode_slots: int = 4, ctx_len: int = 256, prefill_stages: int = 1,
                  chunk_size: int = 64, transport: str = "shm", backend: str = "qaic",
                  kv_cache_prefix: str | None = None, threads_per_worker: int = 1,
                  gloo_init_method: str | None = None, startup_timeout: float = 600,
-                 chunk_delay: float = 0.0) -> None:
+                 chunk_delay: float = 0.0, max_prefill_restarts: int = 3) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"DisaggregatedServer: transport must be one of {list(TRANSPORTS)}, got {transport!r}")
         for name, v in (("decode_slots", decode_slots), ("ctx_len", ctx_len), ("chunk_size", chunk_size),
@@ -620,6 +627,9 @@ class DisaggregatedServer:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"DisaggregatedServer: {name} must be a positive int, got {v!r}")
         from qaic_dynamo.engine import BACKENDS
+
+        if not isinstance(max_prefill_restarts, int) or isinstance(max_prefill_restarts, bool) or max_prefill_restarts < 0:
+            raise ValueError(f"DisaggregatedServer: max_prefill_restarts must be an int >= 0, got {max_prefill_restarts!r}")
 
         if not isinstance(threads_per_worker, int) or isinstance(threads_per_worker, bool) or threads_per_worker < 1:
             raise ValueError(f"DisaggregatedServer: threads_per_worker must be a positive int, got {threads_per_worker!r}")
@@ -637,6 +647,8 @@ class DisaggregatedServer:
                         transport=transport, backend=backend, kv_cache_prefix=kv_cache_prefix,
                         threads=threads_per_worker, init_method=gloo_init_method, chunk_delay=chunk_delay)
         self.startup_timeout = startup_timeout
+        self.max_prefill_restarts = max_prefill_restarts
+        self._no_prefill: str | None = None
         self._ctx = mp.get_context("spawn")
         self.buffers: SharedKVBuffers | None = None
         self._prefill = self._decode = None
@@ -672,12 +684,17 @@ class DisaggregatedServer:
             self.buffers = SharedKVBuffers(flat, dtype)
             # One writing process per queue: a worker killed while writing holds that queue's
             # write lock for good, and then only its own queues are stuck - jobs and its
-            # events queue are replaced with it; handoffs are drained after its death.
-            self._jobs, self._handoffs = self._ctx.Queue(), self._ctx.Queue()  # server -> prefill -> decode
+            # events queue are replaced with it; its hand-offs are drained after its death,
+            # and its replacement writes the next of the hand-off queues. Those must exist
+            # before decode starts (a queue reaches a process only when it is created).
+            self._jobs = self._ctx.Queue()  # server -> prefill
+            self._handoff_queues = [self._ctx.Queue() for _ in range(self.max_prefill_restarts + 1)]  # prefill -> decode
+            self._generation = 0  # which prefill worker, and which hand-off queue, is running
+            self._no_prefill = None  # why the prefill worker could not be replaced
             self._control, self._events = self._ctx.Queue(), self._ctx.Queue()  # server -> decode -> server
             self._prefill_events = self._ctx.Queue()  # prefill -> server
             self._decode = self._ctx.Process(target=_decode_worker, daemon=True, name="qaic-decode", args=(
-                self.model, self.cfg, self.buffers.descriptor, self._handoffs, self._control, self._events))
+                self.model, self.cfg, self.buffers.descriptor, self._handoff_queues, self._control, self._events))
             self._decode.start()
             self._start_prefill()
             self._wait_for(lambda kind, who, payload: kind == "ready", {"prefill", "decode"}, "start")
@@ -687,7 +704,8 @@ class DisaggregatedServer:
 
     def _start_prefill(self) -> None:
         self._prefill = self._ctx.Process(target=_prefill_worker, daemon=True, name="qaic-prefill", args=(
-            self.model, self.cfg, self.buffers.descriptor, self._jobs, self._handoffs, self._prefill_events))
+            self.model, self.cfg, self.buffers.descriptor, self._jobs, self._handoff_queues[self._generation],
+            self._prefill_events))
         self._prefill.start()
 
     def _wait_for(self, match: Any, keys: set, what: str, on_other: Any = None) -> None:
@@ -780,9 +798,8 @@ class DisaggregatedServer:
             raise RuntimeError("DisaggregatedServer: not started (use it as a context manager or call start())")
         if self._unusable is not None:
             raise RuntimeError(f"DisaggregatedServer: {self._unusable}; stop() and start() the server again")
-        if self.transport == "gloo" and self._prefill is None:  # _prefill_died could not replace it
-            raise RuntimeError("DisaggregatedServer: the prefill worker died and the gloo transport cannot replace it; "
-                               "stop() and start() the server again")
+        if self._no_prefill is not None:  # _prefill_died could not replace it
+            raise RuntimeError(f"DisaggregatedServer: {self._no_prefill}; stop() and start() the server again")
         # One count (an int, numpy's too) for every prompt, or one per prompt; anything else
         # (a bool) goes to validate, which names it.
         one = is_token_id(max_tokens) or not isinstance(max_tokens, Iterable)
@@ -860,7 +877,14 @@ class DisaggregatedServer:
         code = self._prefill.exitcode
         self._prefill = None
         marker = next(self._syncs)
-        self._control.put(("sync", marker))
+        if self.transport == "gloo":  # its process group died with it: nothing can prefill
+            self._no_prefill = f"the prefill worker died (exit code {code}) and the gloo transport cannot replace it"
+        elif self._generation == self.max_prefill_restarts:
+            self._no_prefill = (f"the prefill worker died (exit code {code}) after {self._generation} restart(s), the "
+                                f"most this server makes (max_prefill_restarts={self.max_prefill_restarts})")
+        else:
+            self._generation += 1
+        self._control.put(("sync", marker, self._generation))
         self._wait_for(lambda kind, who, payload: kind == "synced" and who == marker, {marker}, "sync",
                        on_other=on_event)
         for rid, job in list(at_prefill.items()):
@@ -868,13 +892,13 @@ class DisaggregatedServer:
                                        "it was not served (decode kept serving the running requests)")
             free.append(job.decode_slot)
             del at_prefill[rid]
-        if self.transport == "gloo":  # its process group died with it: nothing can prefill
+        if self._no_prefill is not None:
             for job in waiting:
-                self.results[job.request_id].error = (f"the prefill worker died (exit code {code}) and the gloo "
-                                                      "transport cannot replace it")
+                self.results[job.request_id].error = self._no_prefill
             waiting.clear()
             return
-        # The dead worker's queues may hold a half-read job, or a write lock it never released.
+        # The dead worker's queues may hold a half-read job, or a write lock it never released
+        # (its hand-off queue too: the replacement writes the next one).
         self._jobs, self._prefill_events = self._ctx.Queue(), self._ctx.Queue()
         self._start_prefill()
         self.restarts += 1

@@ -359,12 +359,46 @@ def test_a_prefill_worker_killed_while_writing_an_event_does_not_stall_decode():
         assert [r.token_ids for r in server.generate([[6, 7]], 2, timeout=60)] == eager_tokens(model, [[6, 7]], [2])
 
 
+def test_a_prefill_worker_killed_while_writing_a_hand_off_is_replaced_and_serves():
+    """The hand-off queue's one writer is the prefill worker, so its replacement inherited
+    a write lock the dead one might hold for good: its hand-offs never reached decode
+    (TimeoutError). Each replacement now writes a hand-off queue of its own."""
+    model = llama(1)
+    with DisaggregatedServer(model, decode_slots=2, ctx_len=64, backend="eager", startup_timeout=120) as server:
+        server._handoff_queues[0]._wlock.acquire()  # as if the killed worker held it
+        os.kill(server.prefill_pid, signal.SIGKILL)
+        time.sleep(0.5)
+        first = server.generate([[4, 5]], 2, timeout=60)[0]
+        assert first.error is None or "prefill worker died (exit code -9)" in first.error
+        assert server.restarts == 1
+        assert [r.token_ids for r in server.generate([[6, 7]], 2, timeout=60)] == eager_tokens(model, [[6, 7]], [2])
+
+
+def test_past_max_prefill_restarts_requests_fail_until_the_server_restarts():
+    model = llama(1)
+    with pytest.raises(ValueError, match="max_prefill_restarts must be an int >= 0, got -1"):
+        DisaggregatedServer(model, max_prefill_restarts=-1)
+    with DisaggregatedServer(model, decode_slots=2, ctx_len=64, backend="eager", startup_timeout=120,
+                             max_prefill_restarts=0) as server:
+        os.kill(server.prefill_pid, signal.SIGKILL)
+        time.sleep(0.5)
+        # Sent to the dead worker before its death was seen, or failed for want of a worker:
+        assert "the prefill worker died (exit code -9)" in server.generate([[4, 5]], 2, timeout=60)[0].error
+        with pytest.raises(RuntimeError, match=r"after 0 restart\(s\), the most this server makes "
+                                               r"\(max_prefill_restarts=0\); stop\(\) and start\(\) the server again"):
+            server.generate([[6, 7]], 2)
+        server.stop()
+        server.start()
+        assert [r.token_ids for r in server.generate([[6, 7]], 2, timeout=60)] == eager_tokens(model, [[6, 7]], [2])
+
+
 def test_after_the_gloo_prefill_worker_died_generate_fails_at_once():
     with DisaggregatedServer(llama(1), decode_slots=2, ctx_len=64, transport="gloo", backend="eager") as server:
         os.kill(server.prefill_pid, signal.SIGKILL)
         time.sleep(0.5)
         assert "the prefill worker died (exit code -9)" in server.generate([[4, 5]], 2, timeout=60)[0].error
-        with pytest.raises(RuntimeError, match="prefill worker died and the gloo transport cannot replace it"):
+        with pytest.raises(RuntimeError, match=r"prefill worker died \(exit code -9\) and the gloo transport cannot "
+                                               r"replace it; stop\(\) and start\(\)"):
             server.generate([[6, 7]], 2, timeout=60)  # spun until its timeout
 
 
