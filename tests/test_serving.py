@@ -342,30 +342,18 @@ def test_a_worker_that_dies_before_it_reports_fails_the_start_at_once():
     assert server.buffers is None  # stopped: shared memory unlinked
 
 
-def test_a_prefill_worker_killed_while_writing_an_event_does_not_stall_decode():
-    """A process killed inside Queue.put keeps that queue's write lock for good. Both
-    workers wrote one events queue, so decode could never post the "synced" the server
-    waits for after a prefill death (a fresh-clone CI run hung 600 s in the gloo test
-    below, the kill landing just after the prefill's "ready"). Each queue now has one
-    writing process; holding the prefill's lock stands in for that kill."""
+@pytest.mark.parametrize("queue_name", ["events", "hand-offs"])
+def test_a_prefill_worker_killed_while_writing_to_a_queue_is_replaced_and_serves(queue_name):
+    """A process killed inside Queue.put keeps that queue's write lock for good; holding
+    the lock stands in for that kill. Events: both workers wrote one events queue, so
+    decode could never post the "synced" the server waits for after a prefill death (a
+    fresh-clone CI run hung 600 s in the gloo test below); each queue now has one writing
+    process. Hand-offs: the replacement worker inherited the dead one's queue and its
+    hand-offs never reached decode (TimeoutError); each worker now has a queue of its own."""
     model = llama(1)
     with DisaggregatedServer(model, decode_slots=2, ctx_len=64, backend="eager", startup_timeout=120) as server:
-        server._prefill_events._wlock.acquire()  # multiprocessing.Queue's cross-process write lock
-        os.kill(server.prefill_pid, signal.SIGKILL)
-        time.sleep(0.5)
-        first = server.generate([[4, 5]], 2, timeout=60)[0]
-        assert first.error is None or "prefill worker died (exit code -9)" in first.error
-        assert server.restarts == 1
-        assert [r.token_ids for r in server.generate([[6, 7]], 2, timeout=60)] == eager_tokens(model, [[6, 7]], [2])
-
-
-def test_a_prefill_worker_killed_while_writing_a_hand_off_is_replaced_and_serves():
-    """The hand-off queue's one writer is the prefill worker, so its replacement inherited
-    a write lock the dead one might hold for good: its hand-offs never reached decode
-    (TimeoutError). Each replacement now writes a hand-off queue of its own."""
-    model = llama(1)
-    with DisaggregatedServer(model, decode_slots=2, ctx_len=64, backend="eager", startup_timeout=120) as server:
-        server._handoff_queues[0]._wlock.acquire()  # as if the killed worker held it
+        locked = server._prefill_events if queue_name == "events" else server._handoff_queues[0]
+        locked._wlock.acquire()  # multiprocessing.Queue's cross-process write lock
         os.kill(server.prefill_pid, signal.SIGKILL)
         time.sleep(0.5)
         first = server.generate([[4, 5]], 2, timeout=60)[0]
