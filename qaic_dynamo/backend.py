@@ -350,9 +350,9 @@ class QaicBackend:
             entry.artifact = str(result.artifact.path)
             entry.exporter_fallback = result.artifact.layout.stats.get("exporter_fallback")
             runner = PieceRunner(result.artifact, piece.graph_module, self.config, label)
-            # Dynamo guards grad mode, so this graph only ever runs with it as it is now.
-            runner.differentiable = torch.is_grad_enabled() and any(
-                isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+            # Not grad mode now: a region inside torch.enable_grad() runs with it on even
+            # when the graph was compiled under no_grad (the runner checks per call).
+            runner.differentiable = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
             setattr(split_gm, piece.name, runner)
         entry.seconds = time.perf_counter() - t0
         return entry

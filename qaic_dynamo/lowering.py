@@ -520,6 +520,7 @@ def lower_piece(
     each step (``prepare``, ``aten_trace``, ``translate`` - or the whole exporter -,
     ``checks``, ``save``).
     """
+    _check_no_grad_region(gm, example_args)
     t0 = time.perf_counter()
     try:
         prepared = prepare(gm, example_args, fake_mode)
@@ -554,6 +555,19 @@ def lower_piece(
     layout.stats["seconds"] = seconds
     (out_dir / LAYOUT_FILE).write_text(layout.to_json())
     return layout
+
+
+def _check_no_grad_region(gm: fx.GraphModule, example_args: Sequence[Any]) -> None:
+    """Refuse a piece that turns grad mode on (``torch.enable_grad()`` inside a model called
+    under ``no_grad``) around inputs that require grad: eager would record autograd history
+    there, and ONNX Runtime computes no gradients, so the piece runs eagerly instead."""
+    if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in example_args):
+        return
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled and node.args[:1] == (True,):
+            raise LoweringError(
+                "the piece turns grad mode on (torch.enable_grad()) for inputs that require grad, and ONNX Runtime "
+                "computes no gradients; run it under torch.no_grad() throughout to compile it")
 
 
 def _check_bindable(layout: PieceLayout, example_args: Sequence[Any]) -> None:

@@ -31,7 +31,7 @@ import shutil
 import subprocess
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -156,14 +156,18 @@ class _NoBackward(torch.autograd.Function):
     """Gives a piece's outputs the autograd edges an eager piece would have, with a backward
     that raises: ONNX Runtime computes no gradients, and an output without a ``grad_fn``
     would make ``backward()`` skip the piece's parameters silently whenever another term
-    of the loss still reaches the graph."""
+    of the loss still reaches the graph.
+
+    The piece runs inside ``forward``, so its outputs are new tensors of this function,
+    not its inputs returned (autograd would make those views, and forbid writing into
+    them in place, as ``logits.div_(t)`` does)."""
 
     @staticmethod
-    def forward(ctx: Any, label: str, n_out: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, label: str, produce: Callable[[], list[torch.Tensor]], *needs: torch.Tensor) -> Any:
         ctx.label = label
-        outs = tensors[:n_out]
+        outs = produce()
         ctx.mark_non_differentiable(*(o for o in outs if not (o.is_floating_point() or o.is_complex())))
-        return outs
+        return tuple(outs)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
@@ -174,27 +178,36 @@ class _NoBackward(torch.autograd.Function):
         )
 
 
-def no_backward(label: str, outputs: Any, inputs: Sequence[Any]) -> Any:
-    """``outputs`` (a piece's result: a tensor or a tuple/list of them) connected to the
-    ``inputs`` that require grad through :class:`_NoBackward`."""
+def no_backward(label: str, run: Callable[[], Any], inputs: Sequence[Any]) -> Any:
+    """``run()`` (a piece's result: a tensor or a tuple/list of them), its new tensors
+    connected through :class:`_NoBackward` to the ``inputs`` that require grad. An input
+    the piece passes through unchanged keeps its own autograd history."""
     needs = [a for a in inputs if isinstance(a, torch.Tensor) and a.requires_grad]
-    single = isinstance(outputs, torch.Tensor)
-    flat = [outputs] if single else list(outputs)
-    where = [i for i, o in enumerate(flat) if isinstance(o, torch.Tensor)]
-    if not needs or not where:
-        return outputs
-    tied = _NoBackward.apply(label, len(where), *(flat[i] for i in where), *needs)
-    for i, t in zip(where, tied):
+    if not needs:
+        return run()
+    given = {id(a) for a in inputs if isinstance(a, torch.Tensor)}
+    made: dict[str, Any] = {}
+
+    def produce() -> list[torch.Tensor]:
+        out = made["out"] = run()
+        flat = made["flat"] = [out] if isinstance(out, torch.Tensor) else list(out)
+        made["where"] = [i for i, o in enumerate(flat) if isinstance(o, torch.Tensor) and id(o) not in given]
+        return [flat[i] for i in made["where"]]
+
+    tied = _NoBackward.apply(label, produce, *needs)
+    out, flat = made["out"], made["flat"]
+    for i, t in zip(made["where"], tied):
         flat[i] = t
-    return flat[0] if single else type(outputs)(flat)
+    return flat[0] if isinstance(out, torch.Tensor) else type(out)(flat)
 
 
 class PieceRunner(torch.nn.Module):
     """One call site of an artifact; falls back to the eager piece if a run fails.
 
-    A piece compiled with grad mode on and inputs that require grad (a model called
-    without ``torch.no_grad()``) has ``differentiable`` set: its outputs then carry
-    autograd edges whose backward raises (:func:`no_backward`) instead of none at all.
+    A piece with inputs that require grad (parameters) has ``differentiable`` set: called
+    with grad mode on (a model called without ``torch.no_grad()``, or inside
+    ``torch.enable_grad()``), its outputs carry autograd edges whose backward raises
+    (:func:`no_backward`) instead of none at all.
 
     The per-call path is kept lean because it runs once per layer per step: bindings are
     compared with what is already bound and only changed ones are re-bound (weights and
@@ -352,6 +365,11 @@ class PieceRunner(torch.nn.Module):
     def forward(self, *args: Any) -> Any:
         if self.use_eager:
             return self.eager(*args)
+        if self.differentiable and torch.is_grad_enabled():
+            return no_backward(self.label, lambda: self._run(args), args)
+        return self._run(args)
+
+    def _run(self, args: tuple) -> Any:
         if self.artifact.session is None:  # no compute: every leaf is made here
             return self._assemble(args, [], self.symbol_values(args) if self._needs_symbols else None)
         ctx = _C.current_forward_context(self.label) if self._updates or _C.has_forward_context() else None
@@ -378,10 +396,7 @@ class PieceRunner(torch.nn.Module):
             warn_fallback(self.label, f"ONNX Runtime failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             return out
         # Outside the fallback: an error here is a bug in the layout, and must surface.
-        out = self._assemble(args, outs, sym)
-        if self.differentiable and torch.is_grad_enabled():
-            return no_backward(self.label, out, args)
-        return out
+        return self._assemble(args, outs, sym)
 
     def _binds_empty(self, args: Sequence[Any], ctx: Any) -> bool:
         """Whether this call binds a zero-size tensor."""

@@ -221,8 +221,35 @@ def test_backward_through_a_compiled_piece_raises_instead_of_dropping_its_gradie
     assert out.requires_grad and out.grad_fn is not None
     with pytest.raises(RuntimeError, match="ran on ONNX Runtime, which computes no gradients.*torch.no_grad"):
         out.sum().backward()
+    out.div_(2.0)  # not a view of the piece's outputs: in-place writes work as in eager
     with torch.no_grad():  # a graph of its own (Dynamo guards grad mode): no autograd edges
         assert not compiled(ids).requires_grad
+
+
+class GradInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.enable_grad():  # e.g. a score whose gradient the caller wants
+            return torch.tanh(self.lin(x))
+
+
+def test_a_piece_that_turns_grad_mode_on_runs_eagerly():
+    # Compiled under no_grad, the piece ran with grad on and returned no autograd history.
+    torch.manual_seed(0)
+    model, x = GradInside(), torch.randn(2, 4)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match=r"turns grad mode on \(torch.enable_grad\(\)\)"):
+        out = torch.compile(model, backend="qaic")(x)
+    assert out.requires_grad
+    out.sum().backward()
+    want = model.lin.bias.grad.clone()
+    model.zero_grad()
+    with torch.no_grad():
+        ref = model(x)
+    ref.sum().backward()
+    torch.testing.assert_close(want, model.lin.bias.grad)
 
 
 def test_no_splitting_ops_is_one_piece():
