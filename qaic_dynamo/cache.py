@@ -204,14 +204,14 @@ class CompileCache:
                 # The entry vanished between writing and loading it (``qaic-dynamo cache
                 # clear``, another process's eviction or tmp/ sweep): nothing is wrong with
                 # the piece, so compile it again into this process's scratch space.
-                disk.warn_once(f"qaic: cache entry {key[:12]} was removed while it compiled; compiling it "
-                               "again without the persistent cache")
+                _warn_removed(disk, key)
                 return self._compile(key, compile_into, None, num_threads, describe)
             drop()
             with self._lock:
                 self._failed[key] = str(e)
             return CacheResult(Source.FAILED, failure=str(e), error=e, compile_seconds=time.perf_counter() - t0)
         except OSError as e:
+            vanished = tmp is not None and not tmp.is_dir()  # removed under the lowering (a cache clear)
             drop()
             # Writing the entry into the cache's tmp/ failed (a full disk reports ENOSPC
             # from write(), with no file name): compile again without the disk cache.
@@ -219,7 +219,10 @@ class CompileCache:
             in_tmp = e.filename is not None and str(e.filename).startswith(str(tmp))
             if tmp is None or not (in_tmp or (e.filename is None and e.errno in _DISK_FULL)):
                 raise
-            disk._degrade("cannot write", e)
+            if vanished:  # nothing wrong with the disk: only this piece skips it
+                _warn_removed(disk, key)
+            else:
+                disk._degrade("cannot write", e)
             return self._compile(key, compile_into, None, num_threads, describe)
         except BaseException:
             drop()
@@ -312,6 +315,11 @@ _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
 
 def _entry_files(path: Path) -> list[Path]:
     return sorted(p for p in path.rglob("*") if p.is_file() and p.name != META)
+
+
+def _warn_removed(disk: DiskCache, key: str) -> None:
+    disk.warn_once(f"qaic: cache entry {key[:12]} was removed while it compiled; compiling it again without the "
+                   "persistent cache")
 
 
 class DiskCache:

@@ -205,7 +205,8 @@ class CompilationConfig:
         """The cache root, absolute: the option, else the environment's choice (see
         cache_dir). A relative one is taken from the current directory now, so a later
         ``chdir`` does not move a cache that is in use."""
-        return os.path.abspath(str(self.cache_dir) if self.cache_dir is not None else default_cache_dir())
+        root = str(self.cache_dir) if self.cache_dir is not None else default_cache_dir()
+        return os.path.abspath(os.path.expanduser(root))
 
 
 def default_cache_dir() -> str:

@@ -158,7 +158,7 @@ def test_a_disk_that_fills_while_a_piece_is_written_degrades_and_still_compiles(
     assert entries(tmp_path) == [] and not leftovers(tmp_path)
 
 
-@pytest.mark.parametrize("when", ["before_commit", "after_commit"])
+@pytest.mark.parametrize("when", ["while_lowering", "before_commit", "after_commit"])
 def test_an_entry_removed_while_it_compiles_is_compiled_again_not_failed(tmp_path, monkeypatch, when):
     """``qaic-dynamo cache clear`` (or another process's eviction) between lowering and
     loading: the piece ran eagerly for the rest of the process (or raised under
@@ -177,7 +177,17 @@ def test_an_entry_removed_while_it_compiles_is_compiled_again_not_failed(tmp_pat
         DiskCache(str(tmp_path), 1 << 30).clear()
         return out
 
-    if when == "before_commit":
+    if when == "while_lowering":
+        import onnx
+
+        save = onnx.save
+
+        def clear_then_save(model, f, *args, **kwargs):
+            DiskCache(str(tmp_path), 1 << 30).clear()  # the model file's directory is gone
+            return save(model, f, *args, **kwargs)
+
+        monkeypatch.setattr(onnx, "save", clear_then_save)
+    elif when == "before_commit":
         monkeypatch.setattr(backend, "lower_piece", lower_then_clear)
     else:
         monkeypatch.setattr(DiskCache, "commit", commit_then_clear)
@@ -213,6 +223,9 @@ def test_cache_location_precedence(tmp_path, monkeypatch):
     assert CompilationConfig(cache_dir="rel").resolved_cache_dir() == str(tmp_path / "rel")
     monkeypatch.setenv("QAIC_DYNAMO_CACHE_DIR", "envrel")
     assert CompilationConfig().resolved_cache_dir() == str(tmp_path / "envrel")
+    monkeypatch.setenv("QAIC_DYNAMO_CACHE_DIR", "~/envhome")  # set without a shell (docker, systemd)
+    assert CompilationConfig().resolved_cache_dir() == str(tmp_path / "home" / "envhome")
+    assert CompilationConfig(cache_dir="~/opt").resolved_cache_dir() == str(tmp_path / "home" / "opt")
 
 
 def test_concurrent_writers_leave_one_valid_entry_each(tmp_path):
