@@ -183,14 +183,6 @@ class LLM:
             raise ValueError(f"LLM: seed must be {SEED_RANGE}, got {seed!r}")
         self.model = load_model(model, layer_agnostic_kv_update=layer_agnostic_kv_update, dtype=dtype)
         self.model.eval()
-        rope = batch_dependent_rope(self.model)
-        if rope is not None and max_num_seqs > 1:
-            # The engine runs a step's requests as one sequence of tokens, so one long request
-            # would change the RoPE frequencies - and the tokens - of every short one.
-            raise ValueError(
-                f"LLM: the model's rope_type {rope!r} takes its frequencies from the longest sequence in a forward "
-                f"(transformers), so requests batched together would change each other's outputs; pass "
-                f"max_num_seqs=1 to serve one request at a time")
         # As vLLM: positions past the model's trained range are refused, not run.
         positions = max_positions(self.model)
         if max_model_len is None:
@@ -198,6 +190,14 @@ class LLM:
         elif positions is not None and max_model_len > positions:
             raise ValueError(f"LLM: max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                              f"{positions}; pass max_model_len <= {positions}")
+        rope = batch_dependent_rope(self.model)
+        if rope is not None and max_num_seqs > 1 and max_model_len > rope[1]:
+            # The engine runs a step's requests as one sequence of tokens, so one request
+            # past that length would change the RoPE frequencies - and the tokens - of all.
+            raise ValueError(
+                f"LLM: the model's rope_type {rope[0]!r} takes its frequencies from the longest sequence in a forward "
+                f"once it passes {rope[1]} tokens (transformers), so requests batched together would change each "
+                f"other's outputs; pass max_model_len <= {rope[1]}, or max_num_seqs=1 to serve one request at a time")
         self.backend = backend
         self.max_num_seqs, self.max_model_len, self.block_size = max_num_seqs, max_model_len, block_size
         blocks_per_seq = -(-max_model_len // block_size)

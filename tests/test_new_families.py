@@ -333,15 +333,44 @@ def llama_dynamic_rope():
                                                    "rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})))
 
 
+def gemma3_multimodal_dynamic_rope():
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    rope = {"full_attention": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    return Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=32,
+                         rope_parameters=rope, sliding_window=512, layer_types=["sliding_attention", "full_attention"]),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=299, boi_token_index=297, eoi_token_index=298)).eval()
+
+
+BATCH_ROPE_REFUSED = ("takes its frequencies from the longest sequence in a forward once it passes 32 tokens.*"
+                      "max_model_len <= 32, or max_num_seqs=1")
+
+
 @pytest.mark.parametrize("build, kind", [(phi3_longrope, "longrope"), (llama_dynamic_rope, "dynamic")])
-def test_rope_that_depends_on_the_longest_sequence_serves_one_request_at_a_time(build, kind):
-    # transformers picks these frequencies from max(position_ids) + 1 of the forward: a
-    # 60-token request batched with a 5-token one changed the short one's tokens.
+def test_rope_that_depends_on_the_longest_sequence_is_batched_only_within_the_trained_length(build, kind):
+    # transformers picks these frequencies from max(position_ids) + 1 of the forward once
+    # it passes 32 here: a 60-token request batched with a 5-token one changed the short
+    # one's tokens.
     model = build()
-    with pytest.raises(ValueError, match=f"rope_type '{kind}' takes its frequencies from the longest sequence.*"
-                                         "max_num_seqs=1"):
-        LLM(model, backend="eager", max_num_seqs=2)
+    with pytest.raises(ValueError, match=f"rope_type '{kind}' {BATCH_ROPE_REFUSED}"):
+        LLM(model, backend="eager", max_num_seqs=2, max_model_len=128)
     prompts = [list(range(1, 61)), [5, 6, 7, 8, 9]]  # past and within the original 32 positions
     llm = LLM(model, backend="qaic", max_num_seqs=1, max_model_len=128)
     assert [llm.generate([p], 4)[0] for p in prompts] == [hf_generate(model, p, 4) for p in prompts]
+    short = [[5, 6, 7, 8, 9], [11, 12, 13]]  # batched within the trained length: as transformers
+    assert LLM(model, backend="qaic", max_num_seqs=2, max_model_len=32).generate(short, 4) == [
+        hf_generate(model, p, 4) for p in short]
+
+
+def test_a_multimodal_models_rope_is_read_from_its_text_config():
+    # Gemma3ForConditionalGeneration keeps positions and RoPE in its text config: the
+    # check read the top-level config and let the batch change a short request's logits.
+    with pytest.raises(ValueError, match=f"rope_type 'dynamic' {BATCH_ROPE_REFUSED}"):
+        LLM(gemma3_multimodal_dynamic_rope(), backend="eager", max_num_seqs=2, max_model_len=128)
 

@@ -143,9 +143,11 @@ def _build(source: str) -> nn.Module:
 
 
 def model_config(model: nn.Module) -> Any:
-    """The config of a model as :func:`load_model` returns it: the transformers config, or
-    the reference model's (None if it has neither)."""
-    return getattr(getattr(model, "hf", None), "config", None) or getattr(model, "config", None)
+    """The config of a model as :func:`load_model` returns it: the transformers text config
+    (a multimodal model's language part holds its positions and RoPE), or the reference
+    model's (None if it has neither)."""
+    cfg = getattr(getattr(model, "hf", None), "config", None) or getattr(model, "config", None)
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
 def max_positions(model: nn.Module) -> int | None:
@@ -172,12 +174,16 @@ def max_positions(model: nn.Module) -> int | None:
 
 
 #: RoPE kinds whose frequencies transformers picks per forward from the largest position in
-#: it (``max(position_ids) + 1``): in a batch, the longest sequence's choice holds for all.
+#: it (``max(position_ids) + 1``) once that passes the trained length: in a batch, the
+#: longest sequence's choice then holds for all.
 BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
-def batch_dependent_rope(model: nn.Module) -> str | None:
-    """The model's RoPE kind if it is one of :data:`BATCH_DEPENDENT_ROPE` (in any layer type)."""
+def batch_dependent_rope(model: nn.Module) -> tuple[str, int] | None:
+    """(kind, length) if the model's RoPE (of any layer type) is one of
+    :data:`BATCH_DEPENDENT_ROPE`: sequences up to ``length`` tokens keep the trained
+    frequencies whatever else is in the forward (longrope: its
+    ``original_max_position_embeddings``; dynamic: ``max_position_embeddings``)."""
     cfg = model_config(model)
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
     if not isinstance(rope, dict):
@@ -186,7 +192,9 @@ def batch_dependent_rope(model: nn.Module) -> str | None:
     for r in kinds:
         kind = r.get("rope_type") or r.get("type")
         if kind in BATCH_DEPENDENT_ROPE:
-            return kind
+            length = (r.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", None)
+                      if kind == "longrope" else getattr(cfg, "max_position_embeddings", None))
+            return kind, int(length) if isinstance(length, int) else 0
     return None
 
 
