@@ -439,9 +439,13 @@ class GuardedDispatch:
             return None
         entries = internals.cache_entries(self.code, self.isolate_recompiles_id)
         if hooked and self.method and (module._forward_pre_hooks or internals.global_hooks[1]):
-            # A forward pre-hook may change the arguments forward's frame gets: count the
-            # call a miss. A hit then marks the code skipped - slower, never different.
-            self._thread.miss = len(entries)
+            # A forward pre-hook may change the arguments forward's frame gets, so the scan
+            # cannot say whether Dynamo hits. Count the call a miss only when Dynamo would
+            # skip the code on one (a TorchDispatchMode active - FlopCounterMode sets such
+            # hooks - or Dynamo disabled): a hit counted as a miss would send every block
+            # of the class through Dynamo for good.
+            if torch._C._len_torch_dispatch_stack() > 0 or torch._dynamo.config.disable:
+                self._thread.miss = len(entries)
             return None
         f_locals = self._frame_locals(args, kwargs)
         if f_locals is None:

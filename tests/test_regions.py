@@ -506,6 +506,20 @@ def test_a_code_object_dynamo_skipped_runs_eagerly_in_both_dispatches(dispatch, 
         assert len(piece_runs) == 1 + 2
 
 
+def test_one_call_with_a_forward_pre_hook_does_not_leave_the_blocks_on_dynamos_path():
+    # A pre-hooked call was counted a miss; Dynamo then hit its entry, added none, and the
+    # block's code was marked skipped: every layer went through Dynamo for good (~12x slower).
+    model, ref, x = compiled_stack(layers=3)
+    with torch.no_grad():
+        model(x)
+        handle = model.layers[1].module.register_forward_pre_hook(lambda m, a: None)
+        with compilation_counter.expect(num_guarded_region_calls=1 + 2, num_dynamo_region_calls=1):  # the hooked one
+            model(x)
+        handle.remove()
+        with compilation_counter.expect(num_guarded_region_calls=1 + 3, num_dynamo_region_calls=0):  # inp, 3 layers
+            torch.testing.assert_close(model(x), ref(x))
+
+
 def test_a_skip_mark_belongs_to_its_code_object_not_to_an_equal_one(piece_runs):
     # Two models' region entry functions for one path have equal code objects; the mark
     # Dynamo set on A's must not be cleared by B's first lookup.
