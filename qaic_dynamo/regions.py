@@ -187,7 +187,7 @@ class CompiledRegion(nn.Module):
         # the uncompiled model (``layers.0.mlp...``, not ``layers.0.module.mlp...``), so a
         # checkpoint saved before compiling loads after it and vice versa.
         self._register_state_dict_hook(_drop_wrapper_prefix)
-        self._register_load_state_dict_pre_hook(_add_wrapper_prefix)
+        self._register_load_state_dict_pre_hook(_add_wrapper_prefix, with_module=True)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.dispatch is not None:
@@ -601,11 +601,17 @@ def _drop_wrapper_prefix(module: nn.Module, state: dict[str, Any], prefix: str, 
         state[prefix + key[len(inner):]] = state.pop(key)
 
 
-def _add_wrapper_prefix(state: dict[str, Any], prefix: str, *args: Any) -> None:
-    # Every key: the wrapper has no state of its own, and a key that already reads
-    # ``<prefix>module.`` is the wrapped module's own submodule named ``module``.
+def _add_wrapper_prefix(region: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
+    # Keys in the uncompiled model's form (``state_dict()``'s) get the wrapper's ``module.``.
+    # A key already in the wrapper's form (``named_parameters()`` of the compiled model)
+    # stays; which form a key is in is told by the wrapped module's own keys - by prefix
+    # alone a block's own submodule named ``module`` looks wrapped.
+    own = set(region._modules["module"].state_dict(keep_vars=True))
     for key in [k for k in state if k.startswith(prefix)]:
-        state[prefix + "module." + key[len(prefix):]] = state.pop(key)
+        rest = key[len(prefix):]
+        if rest not in own and rest.startswith("module.") and rest[len("module."):] in own:
+            continue
+        state[prefix + "module." + rest] = state.pop(key)
 
 
 def compile(model: nn.Module, **options: Any) -> nn.Module:  # noqa: A001  (mirrors torch.compile)

@@ -275,6 +275,19 @@ def test_a_block_with_a_submodule_named_module_loads_its_checkpoint():
     src.load_state_dict(dst.state_dict())
 
 
+def test_a_state_dict_keyed_like_the_compiled_models_parameters_loads_too():
+    src, dst = Stack(), Stack()
+    with torch.no_grad():
+        for p in src.parameters():
+            p.add_(1.0)
+    qaic_dynamo.compile(src)
+    qaic_dynamo.compile(dst)
+    named = {k: v.detach().clone() for k, v in src.named_parameters()}  # layers.0.module.proj.weight, ...
+    assert any(".module." in k for k in named)
+    dst.load_state_dict(named)  # strict
+    assert dst.layers[1].module.proj.weight.equal(src.layers[1].module.proj.weight)
+
+
 class Scaled(nn.Module):
     """A block whose forward branches on a plain attribute: Dynamo guards on its value."""
 
