@@ -26,7 +26,8 @@ Not in the key: node and placeholder names, the layer's position, and parameter 
 A call to a Python function that is not part of torch is keyed by its qualified name and
 a hash of its bytecode and constants, so editing the function changes the key. An op of
 another library (``torch.ops.mylib.scale``) is keyed by its name: its kernel is not
-reachable to hash, so such a piece is cached in memory only (``Fingerprint.unkeyed_ops``).
+reachable to hash, nor are the functions a user function calls, so a piece with either is
+cached in memory only (``Fingerprint.unkeyed_ops``).
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ PACKAGE_ROOT = Path(__file__).resolve().parent
 class Fingerprint:
     key: str  # sha256 hex
     inputs: dict[str, Any]  # everything that went into the key, JSON-serialisable
-    #: Ops of other libraries in the piece (``mylib::scale``): keyed by name only, their
-    #: kernels - which lowering may inline - are not in the key, so an edit to one would
-    #: not change it. Such a piece is cached in memory only, never on disk.
+    #: Ops of other libraries in the piece (``mylib::scale``), keyed by name only, and user
+    #: functions, keyed by their own code: the kernels and callees lowering inlines are
+    #: not in the key, so an edit to one would not change it. Such a piece is cached in
+    #: memory only, never on disk.
     unkeyed_ops: tuple[str, ...] = ()
 
     @property
@@ -178,16 +180,24 @@ def _tensor_digest(t: torch.Tensor) -> dict[str, Any]:
     }
 
 
+def _is_user_function(fn: Any) -> bool:
+    """A Python function from outside torch (``allow_in_graph``): its own code can be
+    hashed, the functions it calls cannot."""
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    torch_own = module == "torch" or module.startswith("torch.") or module in ("operator", "_operator", "builtins")
+    return isinstance(getattr(fn, "__code__", None), types.CodeType) and not torch_own
+
+
 def _callable_name(fn: Any) -> str:
     if isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return f"torch.ops.{fn}"
     module = getattr(fn, "__module__", None) or type(fn).__module__
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__qualname__
     ident = f"{module}.{name}"
-    code = getattr(fn, "__code__", None)
-    if isinstance(code, types.CodeType) and not module.startswith(("torch", "operator", "_operator", "builtins")):
+    if _is_user_function(fn):
         # A user function allowed into the graph: its behaviour is its code, constants
         # and closure, so those are the key (a name alone could hide an edit).
+        code = fn.__code__
         h = hashlib.sha256(code.co_code)
         h.update(repr(code.co_consts).encode())
         for cell in getattr(fn, "__closure__", None) or ():
@@ -282,6 +292,8 @@ def _unkeyed_ops(gm: fx.GraphModule) -> set[str]:
         if node.op == "call_function" and isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
             if str(target).split(".", 1)[0] not in KEYED_NAMESPACES:  # "mylib.scale.default"
                 found.add(str(target))
+        elif node.op == "call_function" and _is_user_function(target):  # what it calls is not in the key
+            found.add(_callable_name(target))
         elif node.op in ("get_attr", "call_module"):
             sub = operator.attrgetter(node.target)(gm)
             if isinstance(sub, fx.GraphModule):

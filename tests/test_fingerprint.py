@@ -218,6 +218,17 @@ _lib.define("scale(Tensor x) -> Tensor")
 _lib.impl("scale", lambda x: x * 2.0, "CompositeImplicitAutograd")
 
 
-def test_ops_of_other_libraries_are_named_as_unkeyed():
+def _helper(x):
+    return x * 2.0
+
+
+@torch._dynamo.allow_in_graph
+def _calls_helper(x):
+    return _helper(x) + 1.0  # an edit to _helper does not change _calls_helper's code
+
+
+def test_ops_of_other_libraries_and_user_functions_are_named_as_unkeyed():
     assert key_of(lambda x: torch.ops.qaic_test_fp.scale(x) + 1, X).unkeyed_ops == ("qaic_test_fp.scale",)
+    (name,) = key_of(lambda x: _calls_helper(x).sin(), X).unkeyed_ops
+    assert name.startswith("test_fingerprint._calls_helper#")
     assert key_of(norm_eps5, X, W).unkeyed_ops == () and key_of(kv_agnostic, *KV).unkeyed_ops == ()
