@@ -42,7 +42,7 @@ from qaic_dynamo.cache import DiskCache, Source, artifact_cache
 from qaic_dynamo.config import CompilationConfig, ConfigError, qaic_compiler_path
 from qaic_dynamo.counter import compilation_counter
 from qaic_dynamo.fingerprint import fingerprint
-from qaic_dynamo.lowering import LoweringError, ProcessWide, lower_piece
+from qaic_dynamo.lowering import LoweringError, ProcessWide, grad_mode_refusal, lower_piece
 from qaic_dynamo.partition import Piece, PieceKind, SplitReason, split_graph
 from qaic_dynamo.runtime import PieceRunner, qaic_compile, qaic_sdk_available, warn_fallback
 
@@ -320,6 +320,14 @@ class QaicBackend:
         entry = PieceReport(piece.index, piece.name, piece.kind, piece.reason, piece.detail, key=fp.prefix,
                             fingerprint_seconds=time.perf_counter() - t0)
         label = f"piece {piece.name} ({fp.prefix})"
+        refusal = grad_mode_refusal(piece.graph_module, args)  # per call site: before any cache
+        if refusal is not None:
+            if self.config.fallback == "error":
+                raise LoweringError(f"{label}: {refusal} (options={{'fallback': 'eager'}} runs it eagerly instead)")
+            entry.fallback = refusal
+            warn_fallback(label, refusal)
+            entry.seconds = time.perf_counter() - t0
+            return entry
 
         def compile_into(out_dir: Path) -> None:
             lower_piece(piece.graph_module, args, fake_mode, self.config, out_dir)

@@ -83,6 +83,7 @@ __all__ = [
     "decompositions",
     "export_inputs",
     "fake_values",
+    "grad_mode_refusal",
     "kv_updates_to_retained_state",
     "finish_model",
     "lower_piece",
@@ -520,7 +521,6 @@ def lower_piece(
     each step (``prepare``, ``aten_trace``, ``translate`` - or the whole exporter -,
     ``checks``, ``save``).
     """
-    _check_no_grad_region(gm, example_args)
     t0 = time.perf_counter()
     try:
         prepared = prepare(gm, example_args, fake_mode)
@@ -557,17 +557,23 @@ def lower_piece(
     return layout
 
 
-def _check_no_grad_region(gm: fx.GraphModule, example_args: Sequence[Any]) -> None:
-    """Refuse a piece that turns grad mode on (``torch.enable_grad()`` inside a model called
-    under ``no_grad``) around inputs that require grad: eager would record autograd history
-    there, and ONNX Runtime computes no gradients, so the piece runs eagerly instead."""
-    if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in example_args):
-        return
+def grad_mode_refusal(gm: fx.GraphModule, example_args: Sequence[Any]) -> str | None:
+    """Why a piece must run eagerly, if it turns grad mode on inside a graph compiled with
+    it off (``torch.enable_grad()`` inside a model called under ``no_grad``) for inputs
+    that require grad: eager records autograd history there, and the grad-mode nodes of a
+    lowered piece do nothing at run time, so its runner would see grad mode off and return
+    no history. Read while compiling: Dynamo guards the grad mode the graph was traced in,
+    and the answer depends on the call site's inputs, not only on the piece's key. With
+    grad mode on when compiling, a node turning it on again only restores it (after a
+    ``no_grad`` block, as transformers' rotary embedding has); the runner handles that
+    graph per call."""
+    if torch.is_grad_enabled() or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in example_args):
+        return None
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is torch._C._set_grad_enabled and node.args[:1] == (True,):
-            raise LoweringError(
-                "the piece turns grad mode on (torch.enable_grad()) for inputs that require grad, and ONNX Runtime "
-                "computes no gradients; run it under torch.no_grad() throughout to compile it")
+            return ("the piece turns grad mode on (torch.enable_grad()) for inputs that require grad, and ONNX "
+                    "Runtime computes no gradients; run it under torch.no_grad() throughout to compile it")
+    return None
 
 
 def _check_bindable(layout: PieceLayout, example_args: Sequence[Any]) -> None:

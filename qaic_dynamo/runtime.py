@@ -178,14 +178,16 @@ class _NoBackward(torch.autograd.Function):
         )
 
 
-def no_backward(label: str, run: Callable[[], Any], inputs: Sequence[Any]) -> Any:
+def no_backward(label: str, run: Callable[[], Any], inputs: Sequence[Any], keep: Sequence[torch.Tensor] = ()) -> Any:
     """``run()`` (a piece's result: a tensor or a tuple/list of them), its new tensors
     connected through :class:`_NoBackward` to the ``inputs`` that require grad. An input
-    the piece passes through unchanged keeps its own autograd history."""
+    the piece passes through unchanged keeps its own autograd history, and tensors in
+    ``keep`` (the runner's own, returned on every call) are returned untouched: autograd
+    would attach this call's history to the object itself."""
     needs = [a for a in inputs if isinstance(a, torch.Tensor) and a.requires_grad]
     if not needs:
         return run()
-    given = {id(a) for a in inputs if isinstance(a, torch.Tensor)}
+    given = {id(a) for a in inputs if isinstance(a, torch.Tensor)} | {id(t) for t in keep}
     made: dict[str, Any] = {}
 
     def produce() -> list[torch.Tensor]:
@@ -241,6 +243,10 @@ class PieceRunner(torch.nn.Module):
         self._spec = spec
         self._flat_tuple = spec.type is tuple and all(c.is_leaf() for c in spec.children())
         self._dep = {leaf[1]: torch.empty(0, dtype=getattr(torch, leaf[1])) for leaf in layout.leaves if leaf[0] == "dep"}
+        # Returned as they are on every call (dependency tokens, constant leaves).
+        self._persistent = [*self._dep.values(), *(leaf[1] for leaf in layout.leaves
+                                                   if leaf[0] not in ("onnx", "arg", "dep", "sym")
+                                                   and isinstance(leaf[1], torch.Tensor))]
         self._run_c = artifact.session._sess.run_with_iobinding if artifact.session is not None else None
         self._release_openmp = config.release_openmp_workers
 
@@ -366,7 +372,7 @@ class PieceRunner(torch.nn.Module):
         if self.use_eager:
             return self.eager(*args)
         if self.differentiable and torch.is_grad_enabled():
-            return no_backward(self.label, lambda: self._run(args), args)
+            return no_backward(self.label, lambda: self._run(args), args, keep=self._persistent)
         return self._run(args)
 
     def _run(self, args: tuple) -> Any:

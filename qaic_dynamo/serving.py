@@ -601,6 +601,10 @@ def _free_local_port() -> int:
         return s.getsockname()[1]
 
 
+#: The most prefill restarts a server can be given (see ``max_prefill_restarts``).
+MAX_PREFILL_RESTARTS = 64
+
+
 class DisaggregatedServer:
     """A prefill worker and a decode worker sharing KV through ``transport``.
 
@@ -628,8 +632,12 @@ class DisaggregatedServer:
                 raise ValueError(f"DisaggregatedServer: {name} must be a positive int, got {v!r}")
         from qaic_dynamo.engine import BACKENDS
 
-        if not isinstance(max_prefill_restarts, int) or isinstance(max_prefill_restarts, bool) or max_prefill_restarts < 0:
-            raise ValueError(f"DisaggregatedServer: max_prefill_restarts must be an int >= 0, got {max_prefill_restarts!r}")
+        # Each restart's hand-off queue is made at start() and held open by the server and
+        # decode (two file descriptors each), so the count is bounded.
+        if (not isinstance(max_prefill_restarts, int) or isinstance(max_prefill_restarts, bool)
+                or not 0 <= max_prefill_restarts <= MAX_PREFILL_RESTARTS):
+            raise ValueError(f"DisaggregatedServer: max_prefill_restarts must be an int in [0, {MAX_PREFILL_RESTARTS}], "
+                             f"got {max_prefill_restarts!r}")
 
         if not isinstance(threads_per_worker, int) or isinstance(threads_per_worker, bool) or threads_per_worker < 1:
             raise ValueError(f"DisaggregatedServer: threads_per_worker must be a positive int, got {threads_per_worker!r}")

@@ -226,6 +226,40 @@ def test_backward_through_a_compiled_piece_raises_instead_of_dropping_its_gradie
         assert not compiled(ids).requires_grad
 
 
+class NoGradHelper(nn.Module):
+    """Grad mode off around a helper and back on after it, as transformers' rotary embedding
+    (``@torch.no_grad()``) does inside every Llama: Dynamo records both switches."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    @torch.no_grad()
+    def scale(self, x):
+        return x.abs().mean()
+
+    def forward(self, x):
+        return self.b(self.a(x) * self.scale(x))
+
+
+def test_a_no_grad_helper_inside_a_grad_mode_call_still_compiles():
+    torch.manual_seed(0)
+    model, x = NoGradHelper(), torch.randn(2, 4)
+    with compilation_counter.expect(num_eager_fallbacks=0):
+        out = torch.compile(model, backend="qaic")(x)
+    torch.testing.assert_close(out, model(x))
+    with pytest.raises(RuntimeError, match="computes no gradients"):
+        out.sum().backward()
+
+
+def test_tokens_a_runner_returns_on_every_call_get_no_autograd_history():
+    from qaic_dynamo.runtime import no_backward
+
+    w, token = nn.Parameter(torch.randn(3)), torch.empty(0)
+    out, same = no_backward("piece", lambda: (w * 2, token), [w], keep=[token])
+    assert out.grad_fn is not None and same is token and token.grad_fn is None and not token.requires_grad
+
+
 class GradInside(nn.Module):
     def __init__(self):
         super().__init__()
@@ -236,12 +270,21 @@ class GradInside(nn.Module):
             return torch.tanh(self.lin(x))
 
 
-def test_a_piece_that_turns_grad_mode_on_runs_eagerly():
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_piece_that_turns_grad_mode_on_runs_eagerly(cached):
     # Compiled under no_grad, the piece ran with grad on and returned no autograd history.
+    # Decided per call site: the same piece compiled with frozen parameters first (so its
+    # artifact is cached) must not serve this one.
     torch.manual_seed(0)
     model, x = GradInside(), torch.randn(2, 4)
-    with torch.no_grad(), pytest.warns(RuntimeWarning, match=r"turns grad mode on \(torch.enable_grad\(\)\)"):
-        out = torch.compile(model, backend="qaic")(x)
+    if cached:
+        frozen = GradInside().requires_grad_(False)
+        with torch.no_grad(), compilation_counter.expect(num_backend_compilations=1, num_eager_fallbacks=0):
+            torch.compile(frozen, backend="qaic")(x)
+        torch._dynamo.reset()
+    with torch.no_grad(), compilation_counter.expect(num_eager_fallbacks=1, num_backend_compilations=0):
+        out = torch.compile(model, backend="qaic")(x)  # warns once per process
+    assert "turns grad mode on (torch.enable_grad())" in last_compile_report().pieces[0].fallback
     assert out.requires_grad
     out.sum().backward()
     want = model.lin.bias.grad.clone()

@@ -364,8 +364,10 @@ def test_a_prefill_worker_killed_while_writing_to_a_queue_is_replaced_and_serves
 
 def test_past_max_prefill_restarts_requests_fail_until_the_server_restarts():
     model = llama(1)
-    with pytest.raises(ValueError, match="max_prefill_restarts must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"max_prefill_restarts must be an int in \[0, 64\], got -1"):
         DisaggregatedServer(model, max_prefill_restarts=-1)
+    with pytest.raises(ValueError, match=r"max_prefill_restarts must be an int in \[0, 64\], got 1000"):
+        DisaggregatedServer(model, max_prefill_restarts=1000)
     with DisaggregatedServer(model, decode_slots=2, ctx_len=64, backend="eager", startup_timeout=120,
                              max_prefill_restarts=0) as server:
         os.kill(server.prefill_pid, signal.SIGKILL)
