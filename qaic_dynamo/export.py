@@ -414,7 +414,7 @@ def _identity(engine_model: nn.Module) -> dict[str, Any]:
     ~1.7 GB/s here, less than writing the weights takes)."""
     from qaic_dynamo.models import model_config
 
-    cfg = model_config(engine_model)
+    cfg = model_config(engine_model, text=False)  # all of it: a multimodal model's top-level settings too
     cfg_dict = cfg.to_dict() if hasattr(cfg, "to_dict") else (dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else repr(cfg))
     h = hashlib.sha256(repr(_block_signature(engine_model, None)).encode())
     for name, t in _weights(engine_model).items():  # non-persistent buffers too (rotary inv_freq)

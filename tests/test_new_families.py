@@ -371,6 +371,12 @@ def test_rope_that_depends_on_the_longest_sequence_is_batched_only_within_the_tr
 def test_a_multimodal_models_rope_is_read_from_its_text_config():
     # Gemma3ForConditionalGeneration keeps positions and RoPE in its text config: the
     # check read the top-level config and let the batch change a short request's logits.
+    from qaic_dynamo.models import load_model, model_config
+
+    model = gemma3_multimodal_dynamic_rope()
     with pytest.raises(ValueError, match=f"rope_type 'dynamic' {BATCH_ROPE_REFUSED}"):
-        LLM(gemma3_multimodal_dynamic_rope(), backend="eager", max_num_seqs=2, max_model_len=128)
+        LLM(model, backend="eager", max_num_seqs=2, max_model_len=128)
+    engine_model = load_model(model)
+    assert model_config(engine_model).max_position_embeddings == 32
+    assert model_config(engine_model, text=False).image_token_index == 299  # the export hashes all of it
 

@@ -142,12 +142,12 @@ def _build(source: str) -> nn.Module:
     )
 
 
-def model_config(model: nn.Module) -> Any:
+def model_config(model: nn.Module, text: bool = True) -> Any:
     """The config of a model as :func:`load_model` returns it: the transformers text config
-    (a multimodal model's language part holds its positions and RoPE), or the reference
-    model's (None if it has neither)."""
+    (a multimodal model's language part holds its positions and RoPE; ``text=False``: the
+    whole config), or the reference model's (None if it has neither)."""
     cfg = getattr(getattr(model, "hf", None), "config", None) or getattr(model, "config", None)
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return cfg.get_text_config() if text and hasattr(cfg, "get_text_config") else cfg
 
 
 def max_positions(model: nn.Module) -> int | None:
