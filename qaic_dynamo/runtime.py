@@ -178,6 +178,14 @@ class _NoBackward(torch.autograd.Function):
         )
 
 
+class _EagerInstead(Exception):
+    """Raised out of a run inside :class:`_NoBackward` so the eager fallback runs outside it."""
+
+    def __init__(self, error: Exception | None) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def no_backward(label: str, run: Callable[[], Any], inputs: Sequence[Any], keep: Sequence[torch.Tensor] = ()) -> Any:
     """``run()`` (a piece's result: a tensor or a tuple/list of them), its new tensors
     connected through :class:`_NoBackward` to the ``inputs`` that require grad. An input
@@ -372,10 +380,15 @@ class PieceRunner(torch.nn.Module):
         if self.use_eager:
             return self.eager(*args)
         if self.differentiable and torch.is_grad_enabled():
-            return no_backward(self.label, lambda: self._run(args), args, keep=self._persistent)
+            try:
+                return no_backward(self.label, lambda: self._run(args, defer=True), args, keep=self._persistent)
+            except _EagerInstead as e:  # outside the autograd function: eager keeps its history
+                return self._eager_instead(args, e.error)
         return self._run(args)
 
-    def _run(self, args: tuple) -> Any:
+    def _run(self, args: tuple, defer: bool = False) -> Any:
+        """Run the artifact; on a failure, run eagerly (``defer``: raise _EagerInstead so
+        the caller does, outside an autograd function running with grad mode off)."""
         if self.artifact.session is None:  # no compute: every leaf is made here
             return self._assemble(args, [], self.symbol_values(args) if self._needs_symbols else None)
         ctx = _C.current_forward_context(self.label) if self._updates or _C.has_forward_context() else None
@@ -389,20 +402,28 @@ class PieceRunner(torch.nn.Module):
         except Exception as e:
             if ctx is not None:  # nothing was written; let the eager ops resolve again
                 ctx.rewind_kv_cache_layer_index(start)
-            if self._binds_empty(args, ctx):
-                # An empty batch: ONNX Runtime refuses a zero-size tensor (its data pointer
-                # is null), and there is nothing to compute. Eager serves this call only;
-                # it says nothing about the artifact.
-                return self.eager(*args)
-            if self.config.fallback == "error":
+            # An empty batch: ONNX Runtime refuses a zero-size tensor (its data pointer is
+            # null), and there is nothing to compute. Eager serves this call only; it says
+            # nothing about the artifact.
+            error = None if self._binds_empty(args, ctx) else e
+            if error is not None and self.config.fallback == "error":
                 raise
-            # If eager fails too, the inputs were bad: report that, stay compiled.
-            out = self.eager(*args)
-            self.use_eager = True
-            warn_fallback(self.label, f"ONNX Runtime failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            return out
+            if defer:
+                raise _EagerInstead(error) from e
+            return self._eager_instead(args, error)
         # Outside the fallback: an error here is a bug in the layout, and must surface.
         return self._assemble(args, outs, sym)
+
+    def _eager_instead(self, args: tuple, error: Exception | None) -> Any:
+        """The eager piece for this call (``error`` None: an empty batch), and from now on
+        when ONNX Runtime failed. If eager fails too, the inputs were bad: that raises and
+        the runner stays compiled."""
+        out = self.eager(*args)
+        if error is not None:
+            self.use_eager = True
+            warn_fallback(self.label, f"ONNX Runtime failed: {type(error).__name__}: "
+                                      f"{str(error).splitlines()[0] if str(error) else ''}")
+        return out
 
     def _binds_empty(self, args: Sequence[Any], ctx: Any) -> bool:
         """Whether this call binds a zero-size tensor."""

@@ -252,6 +252,29 @@ def test_a_no_grad_helper_inside_a_grad_mode_call_still_compiles():
         out.sum().backward()
 
 
+def test_an_onnx_runtime_failure_in_grad_mode_falls_back_with_eagers_gradients(monkeypatch):
+    # The fallback ran inside the autograd function, with grad mode off: the first failing
+    # call returned eager outputs whose backward raised "ran on ONNX Runtime".
+    from qaic_dynamo.runtime import PieceRunner
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.Tanh()), torch.randn(2, 4)
+    compiled = torch.compile(model, backend="qaic")
+    compiled(x)
+
+    def broken(self):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(PieceRunner, "run_bound", broken)
+    with compilation_counter.expect(num_eager_fallbacks=1):
+        out = compiled(x)
+    out.sum().backward()
+    got = model[0].bias.grad.clone()
+    model.zero_grad()
+    model(x).sum().backward()
+    torch.testing.assert_close(got, model[0].bias.grad)
+
+
 def test_tokens_a_runner_returns_on_every_call_get_no_autograd_history():
     from qaic_dynamo.runtime import no_backward
 
