@@ -263,10 +263,12 @@ class QaicBackend:
         self.disk = DiskCache.get(config.resolved_cache_dir(), config.cache_size_limit) if config.cache else None
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        # The grad mode the graph runs in (Dynamo guards it), read before any lowering:
+        # tracing a piece runs its grad-mode switches, and lowering keeps to this mode.
         with collector_paused():
-            return self._compile_graph(gm, example_inputs)
+            return self._compile_graph(gm, example_inputs, torch.is_grad_enabled())
 
-    def _compile_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    def _compile_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any], grad_mode: bool) -> Callable[..., Any]:
         t_start = time.perf_counter()
         compilation_counter.bump(num_graphs_seen=1)
         report = _new_report(self.config_hash)
@@ -296,7 +298,9 @@ class QaicBackend:
                 report.pieces.append(PieceReport(piece.index, piece.name, piece.kind, piece.reason, piece.detail))
                 continue
             compilation_counter.bump(num_piecewise_compilable_graphs_seen=1)
-            report.pieces.append(self._compile_piece(piece, piece_args[piece.name], fake_mode, split.graph_module))
+            with torch.set_grad_enabled(grad_mode):  # lowering runs a piece's switches: none leaks to the next
+                report.pieces.append(self._compile_piece(piece, piece_args[piece.name], fake_mode, split.graph_module,
+                                                         grad_mode))
         compilable = [p for p in report.pieces if p.source is not None]
         report.seconds["fingerprint"] = sum(p.fingerprint_seconds for p in compilable)
         report.seconds["lower+load"] = sum(p.compile_seconds + p.load_seconds for p in compilable)
@@ -313,14 +317,15 @@ class QaicBackend:
         # Dynamo right away, as for a returned lazy module.
         return split.graph_module.forward
 
-    def _compile_piece(self, piece: Piece, args: tuple, fake_mode: Any, split_gm: fx.GraphModule) -> PieceReport:
+    def _compile_piece(self, piece: Piece, args: tuple, fake_mode: Any, split_gm: fx.GraphModule,
+                       grad_mode: bool) -> PieceReport:
         """Key the piece, get its artifact from the cache stage, and put a runner in its place."""
         t0 = time.perf_counter()
         fp = fingerprint(piece.graph_module, args, self.config_hash)
         entry = PieceReport(piece.index, piece.name, piece.kind, piece.reason, piece.detail, key=fp.prefix,
                             fingerprint_seconds=time.perf_counter() - t0)
         label = f"piece {piece.name} ({fp.prefix})"
-        refusal = grad_mode_refusal(piece.graph_module, args)  # per call site: before any cache
+        refusal = grad_mode_refusal(piece.graph_module, grad_mode)  # before any cache: per call site
         if refusal is not None:
             if self.config.fallback == "error":
                 raise LoweringError(f"{label}: {refusal} (options={{'fallback': 'eager'}} runs it eagerly instead)")

@@ -433,7 +433,9 @@ def prepare(gm: fx.GraphModule, example_args: Sequence[Any], fake_mode: Any) -> 
         canon=canonical_names(example_args),  # the fingerprint's symbol names
         placeholders=[env[n] for n in gm.graph.nodes if n.op == "placeholder"],
         orig_of={new: old for old, new in env.items()},
-        first_body=next((n for n in g.nodes if n.op != "placeholder"), None),
+        # After the last placeholder: split_module may put a node (a grad-mode switch it
+        # carries into the piece) among them, and what is inserted here reads them.
+        first_body=_after_placeholders(g),
     )
     _bind_symbols(rw)
     sizes_from_tensors(rw)
@@ -557,22 +559,26 @@ def lower_piece(
     return layout
 
 
-def grad_mode_refusal(gm: fx.GraphModule, example_args: Sequence[Any]) -> str | None:
-    """Why a piece must run eagerly, if it turns grad mode on inside a graph compiled with
-    it off (``torch.enable_grad()`` inside a model called under ``no_grad``) for inputs
-    that require grad: eager records autograd history there, and the grad-mode nodes of a
-    lowered piece do nothing at run time, so its runner would see grad mode off and return
-    no history. Read while compiling: Dynamo guards the grad mode the graph was traced in,
-    and the answer depends on the call site's inputs, not only on the piece's key. With
-    grad mode on when compiling, a node turning it on again only restores it (after a
-    ``no_grad`` block, as transformers' rotary embedding has); the runner handles that
-    graph per call."""
-    if torch.is_grad_enabled() or not any(isinstance(a, torch.Tensor) and a.requires_grad for a in example_args):
-        return None
+def _after_placeholders(g: fx.Graph) -> fx.Node | None:
+    nodes = list(g.nodes)
+    last = max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=-1)
+    return nodes[last + 1] if last + 1 < len(nodes) else None
+
+
+def grad_mode_refusal(gm: fx.GraphModule, graph_grad_mode: bool) -> str | None:
+    """Why a piece must run eagerly, if it switches grad mode away from the mode its graph
+    runs in (Dynamo guards that mode): a ``torch.no_grad()`` or ``enable_grad()`` block in
+    the piece, or carried into it across a split (``split_module`` starts every later piece
+    of such a block with the switch). A lowered piece's switches do nothing at run time, so
+    compiled it would leave the caller's grad mode as it was where eager changes it, and
+    return outputs without the autograd history eager gives them. Switches to the graph's
+    own mode (transformers' rotary embedding ends its ``no_grad`` block that way, and the
+    pieces after it start with that switch) change nothing and are compiled."""
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is torch._C._set_grad_enabled and node.args[:1] == (True,):
-            return ("the piece turns grad mode on (torch.enable_grad()) for inputs that require grad, and ONNX "
-                    "Runtime computes no gradients; run it under torch.no_grad() throughout to compile it")
+        if (node.op == "call_function" and node.target is torch._C._set_grad_enabled
+                and bool(node.args[0]) != graph_grad_mode):
+            return (f"the piece switches grad mode {'on' if node.args[0] else 'off'} (torch.enable_grad() / "
+                    "torch.no_grad() inside the compiled code), which a lowered piece cannot do; it runs eagerly")
     return None
 
 

@@ -228,28 +228,68 @@ def test_backward_through_a_compiled_piece_raises_instead_of_dropping_its_gradie
 
 class NoGradHelper(nn.Module):
     """Grad mode off around a helper and back on after it, as transformers' rotary embedding
-    (``@torch.no_grad()``) does inside every Llama: Dynamo records both switches."""
+    (``@torch.no_grad()``) does inside every Llama; then attention, and a projection after
+    it. Dynamo records both switches, and ``split_module`` starts the piece after the split
+    with a switch back on too."""
 
     def __init__(self):
         super().__init__()
-        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(16, 8)
 
     @torch.no_grad()
     def scale(self, x):
         return x.abs().mean()
 
     def forward(self, x):
-        return self.b(self.a(x) * self.scale(x))
+        q = self.a(x) * self.scale(x)
+        o = F.scaled_dot_product_attention(q, q, q)  # [1, 2, T, 8]
+        return self.b(o.transpose(1, 2).reshape(o.shape[2], -1))
 
 
-def test_a_no_grad_helper_inside_a_grad_mode_call_still_compiles():
+def test_a_no_grad_helper_in_a_grad_mode_call_runs_its_piece_eagerly_and_compiles_the_rest():
+    # The piece after the split starts with a switch back to grad mode on: a no-op here,
+    # compiled (it failed to prepare: a size read was inserted before a placeholder).
     torch.manual_seed(0)
-    model, x = NoGradHelper(), torch.randn(2, 4)
-    with compilation_counter.expect(num_eager_fallbacks=0):
-        out = torch.compile(model, backend="qaic")(x)
+    model, x = NoGradHelper(), torch.randn(1, 2, 5, 8)
+    torch._dynamo.mark_dynamic(x, 2)
+    with compilation_counter.expect(num_eager_fallbacks=1, num_backend_compilations=1):  # the helper's piece; the last
+        out = torch.compile(model, backend="qaic", options={"splitting_ops": ["aten::scaled_dot_product_attention"]})(x)
+    first, _, last = last_compile_report().pieces
+    assert "switches grad mode off" in first.fallback and last.fallback is None
     torch.testing.assert_close(out, model(x))
+    assert torch.is_grad_enabled()
     with pytest.raises(RuntimeError, match="computes no gradients"):
-        out.sum().backward()
+        out.sum().backward()  # through the compiled projection
+
+
+class NoGradAcrossTheSplit(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.no_grad():
+            q = self.a(x)
+            r = self.b(F.scaled_dot_product_attention(q, q, q))
+        return self.c(r)
+
+
+@pytest.mark.parametrize("compiles", [1, 2])
+def test_a_no_grad_block_across_a_split_keeps_eagers_grad_mode_and_gradients(compiles):
+    # The second compile found the first piece in the cache, lowered the last under the grad
+    # mode the first one's lowering had left off: no history on the output, and the caller's
+    # grad mode left off.
+    torch.manual_seed(0)
+    model, x = NoGradAcrossTheSplit(), torch.randn(1, 2, 4, 8)
+    for _ in range(compiles):
+        torch._dynamo.reset()
+        out = torch.compile(model, backend="qaic", options={"splitting_ops": ["aten::scaled_dot_product_attention"]})(x)
+    assert torch.is_grad_enabled() and out.requires_grad
+    out.sum().backward()
+    got = model.c.bias.grad.clone()
+    model.zero_grad()
+    model(x).sum().backward()
+    torch.testing.assert_close(got, model.c.bias.grad)
 
 
 def test_an_onnx_runtime_failure_in_grad_mode_falls_back_with_eagers_gradients(monkeypatch):
@@ -293,21 +333,19 @@ class GradInside(nn.Module):
             return torch.tanh(self.lin(x))
 
 
-@pytest.mark.parametrize("cached", [False, True])
-def test_a_piece_that_turns_grad_mode_on_runs_eagerly(cached):
+def test_a_piece_that_turns_grad_mode_on_runs_eagerly():
     # Compiled under no_grad, the piece ran with grad on and returned no autograd history.
-    # Decided per call site: the same piece compiled with frozen parameters first (so its
-    # artifact is cached) must not serve this one.
+    # With frozen parameters too (decided before any cache: an artifact of the frozen copy
+    # served the trainable one): eager leaves grad mode as the block sets it on its way.
     torch.manual_seed(0)
     model, x = GradInside(), torch.randn(2, 4)
-    if cached:
-        frozen = GradInside().requires_grad_(False)
-        with torch.no_grad(), compilation_counter.expect(num_backend_compilations=1, num_eager_fallbacks=0):
-            torch.compile(frozen, backend="qaic")(x)
-        torch._dynamo.reset()
+    frozen = GradInside().requires_grad_(False)
+    with torch.no_grad(), compilation_counter.expect(num_backend_compilations=0, num_eager_fallbacks=1):
+        torch.compile(frozen, backend="qaic")(x)
+    torch._dynamo.reset()
     with torch.no_grad(), compilation_counter.expect(num_eager_fallbacks=1, num_backend_compilations=0):
         out = torch.compile(model, backend="qaic")(x)  # warns once per process
-    assert "turns grad mode on (torch.enable_grad())" in last_compile_report().pieces[0].fallback
+    assert "switches grad mode on" in last_compile_report().pieces[0].fallback
     assert out.requires_grad
     out.sum().backward()
     want = model.lin.bias.grad.clone()
