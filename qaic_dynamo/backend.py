@@ -363,8 +363,8 @@ class QaicBackend:
             entry.artifact = str(result.artifact.path)
             entry.exporter_fallback = result.artifact.layout.stats.get("exporter_fallback")
             runner = PieceRunner(result.artifact, piece.graph_module, self.config, label)
-            # Not grad mode now: a region inside torch.enable_grad() runs with it on even
-            # when the graph was compiled under no_grad (the runner checks per call).
+            # Grad mode itself is checked by the runner per call (cheap, and whatever
+            # switched it before the call counts).
             runner.differentiable = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
             setattr(split_gm, piece.name, runner)
         entry.seconds = time.perf_counter() - t0
