@@ -200,7 +200,6 @@ class CompilationConfig:
             f"{f.name} (default {f.default!r}): {f.metadata.get('doc', '')}" for f in fields(cls)
         )
 
-
     def resolved_cache_dir(self) -> str:
         """The cache root, absolute: the option, else the environment's choice (see
         cache_dir). A relative one is taken from the current directory now, so a later

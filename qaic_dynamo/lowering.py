@@ -307,6 +307,7 @@ _INPLACE_OPERATORS = frozenset({
     operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
     operator.imatmul,
 })
+_PLAIN_OPERATORS = frozenset({operator.and_, operator.or_, operator.not_, operator.is_})
 _INPLACE_DUNDERS = frozenset(f"__i{op}__" for op in (
     "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift", "matmul"))
 #: Flags that make a function write: ``F.relu(x, True)``, ``F.batch_norm(..., training=True)``
@@ -346,7 +347,11 @@ def written_tensors(node: fx.Node) -> list[Any]:
         return [args[i] if i < len(args) else node.kwargs.get(a.name)
                 for i, a in enumerate(target._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
     name = getattr(target, "__name__", "")
-    if target in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS:
+    # The trailing underscore marks torch's in-place functions (``torch.relu_``), but the
+    # operator module's ``and_`` / ``or_`` / ``not_`` / ``is_`` (``a & b``) write nothing:
+    # its in-place forms are the ``i``-prefixed ones.
+    by_name = (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
+    if target in _INPLACE_OPERATORS or (by_name and target not in _PLAIN_OPERATORS):
         return [args[0]] if args else []
     flags = _param_positions(target, _WRITE_FLAGS + ("running_mean", "running_var"))
     if _argument(node, "inplace", flags.get("inplace")) is True:

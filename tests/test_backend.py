@@ -546,6 +546,16 @@ def test_an_input_write_only_the_aten_trace_shows_is_refused():
         aten_graph(writes, [torch.zeros(17, 4)], [{0: torch.export.Dim.DYNAMIC}], 18)
 
 
+@pytest.mark.parametrize("fn", [lambda a, b: (a & b) + 1, lambda a, b: (a | b) * 2, lambda a, b: (a ^ b) - 1],
+                         ids=["and", "or", "xor"])
+def test_bitwise_operators_on_inputs_are_not_taken_for_writes(fn):
+    # operator.and_ / or_ end in "_" like torch's in-place functions, and write nothing.
+    a, b = torch.tensor([3, 5, 12]), torch.tensor([1, 4, 10])
+    with compilation_counter.expect(num_backend_compilations=1, num_eager_fallbacks=0):
+        out = torch.compile(fn, backend="qaic", options={"fallback": "error"})(a, b)
+    torch.testing.assert_close(out, fn(a, b))
+
+
 def test_in_place_ops_on_intermediates_are_lowered_not_dropped():
     x = torch.randn(4, 8)
     with compilation_counter.expect(num_backend_compilations=1, num_eager_fallbacks=0):
