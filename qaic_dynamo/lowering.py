@@ -1023,7 +1023,118 @@ def decompositions(opset: int) -> dict[Any, Any]:
         if op not in core_aten and internals.export_utils._is_preservable_cia_op(op) and op not in internals.preserved_cia:
             continue
         table[op] = fn
+    table.update(TORCH_SEMANTICS)
     return table
+
+
+# --- where onnxscript's translation differs from eager: torch's own arithmetic -------------
+#
+# onnxscript translates float floor division as Floor(Div(a, b)) and float remainder as
+# a - b * Floor(a / b), and integer division with a rounding mode through float32. Eager
+# (c10's div_floor_floating, the remainder kernel, integer division) gives other values:
+# ``1.0 // 0.1`` is 9 (0.1 is a little above a tenth; Python agrees) where Floor(Div) gives
+# 10, ``x % 0.1`` is 0.1 where the translation gives 0, and an int64 above 2**24 divided
+# with ``rounding_mode="floor"`` loses its low bits. These decompositions, applied in the
+# aten trace, spell eager's formulas in ops whose translations are exact. float16 and
+# bfloat16 keep the translation (eager rounds each step to the reduced type).
+
+
+def _operands(a: Any, b: Any) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    dtype = torch.result_type(a, b)
+
+    def cast(x: Any) -> torch.Tensor:
+        return x.to(dtype) if isinstance(x, torch.Tensor) else torch.scalar_tensor(x, dtype=dtype)
+
+    return cast(a), cast(b), dtype
+
+
+def _signs_differ(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (x < 0) != (y < 0)
+
+
+def _float_floor_divide(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """c10::div_floor_floating: the quotient of the exact remainder, then floored."""
+    mod = torch.fmod(a, b)
+    div = (a - mod) / b
+    div = torch.where((mod != 0) & _signs_differ(b, mod), div - 1, div)
+    floor = torch.floor(div)
+    floor = torch.where(div - floor > 0.5, floor + 1, floor)
+    quotient = a / b
+    floor = torch.where(div != 0, floor, quotient * 0)  # a zero keeps the quotient's sign
+    return torch.where(b == 0, quotient, floor)
+
+
+def _floor_divide(a: Any, b: Any) -> Any:
+    a, b, dtype = _operands(a, b)
+    if dtype not in (torch.float32, torch.float64):
+        return NotImplemented  # integers: onnxscript's translation is exact
+    return _float_floor_divide(a, b)
+
+
+def _remainder(a: Any, b: Any) -> Any:
+    a, b, dtype = _operands(a, b)
+    if dtype not in (torch.float32, torch.float64):
+        return NotImplemented
+    mod = torch.fmod(a, b)
+    return torch.where((mod != 0) & _signs_differ(b, mod), mod + b, mod)
+
+
+def _div_mode(a: Any, b: Any, *, rounding_mode: str | None = None) -> Any:
+    if rounding_mode is None:
+        return NotImplemented
+    a, b, dtype = _operands(a, b)
+    if dtype.is_floating_point:
+        if rounding_mode == "floor" and dtype in (torch.float32, torch.float64):
+            return _float_floor_divide(a, b)
+        return NotImplemented  # trunc(a / b), as eager
+    if dtype == torch.bool:
+        return NotImplemented
+    floor = torch.floor_divide(a, b)  # integer Div and Mod, exact
+    if rounding_mode == "floor":
+        return floor
+    # Truncation differs from the floor where the exact remainder is non-zero and the
+    # operands' signs differ.
+    rest = a - floor * b
+    return floor + ((rest != 0) & _signs_differ(a, b)).to(dtype)
+
+
+def _masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0,
+                      is_causal: bool = False, *, attn_mask: torch.Tensor | None = None,
+                      scale: float | None = None) -> Any:
+    """``scaled_dot_product_attention`` with a mask, as torch's CPU kernel computes it: a
+    query row whose keys are all masked out gives zeros (onnxscript's plain Softmax gives
+    NaN there, which spreads into anything reduced over that row - a left-padded batch's
+    padding rows)."""
+    if attn_mask is None or dropout_p != 0.0 or is_causal or query.dim() != 4 or query.shape[1] % key.shape[1]:
+        return NotImplemented
+    dtype = query.dtype
+    work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype  # the kernel accumulates in float
+    q, k, v = query.to(work), key.to(work), value.to(work)
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves a group
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale + attn_mask.to(work)
+    top = scores.amax(-1, keepdim=True)
+    top = torch.where(top == float("-inf"), torch.zeros_like(top), top)  # an all-masked row
+    weights = torch.exp(scores - top)
+    total = weights.sum(-1, keepdim=True)
+    out = (weights / torch.where(total == 0, torch.ones_like(total), total)) @ v
+    return out.to(dtype), (torch.log(total) + top).squeeze(-1)
+
+
+_aten = torch.ops.aten
+#: Ops whose onnxscript translation disagrees with eager, decomposed in the aten trace.
+TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
+    _aten.floor_divide.default: _floor_divide,
+    _aten.floor_divide.Scalar: _floor_divide,
+    _aten.remainder.Tensor: _remainder,
+    _aten.remainder.Scalar: _remainder,
+    _aten.remainder.Scalar_Tensor: _remainder,
+    _aten.div.Tensor_mode: _div_mode,
+    _aten.div.Scalar_mode: _div_mode,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default: _masked_attention,
+}
 
 
 class _DirectPathError(Exception):

@@ -563,6 +563,59 @@ def test_in_place_ops_on_intermediates_are_lowered_not_dropped():
     torch.testing.assert_close(out, WritesATemporary()(x))
 
 
+# --- eager's arithmetic where ONNX's differs ---------------------------------------------------
+
+_V = torch.tensor([1.0, 5.0, 0.7, 2.0, -1.0, -0.7, 7.0, 0.0])
+_BIG = torch.tensor([16777217, -16777219, 123456789, -987654321, 7, -7, 0])  # past float32's 2**24
+EAGER_ARITHMETIC = {  # the first two: 1.0 // 0.1 is 9 in eager and Python (0.1 is above a tenth), 10 as Floor(Div)
+    "float-floordiv": (lambda a: a // 0.1, _V),
+    "float-div-floor": (lambda a: torch.div(a, -0.2, rounding_mode="floor"), _V),
+    "float-remainder": (lambda a: a % 0.1, _V),
+    "float-remainder-negative": (lambda a: a % -0.3, _V),
+    "scalar-remainder": (lambda a: 0.5 % a, _V[_V != 0]),
+    "remainder-by-inf": (lambda a, b: a % b, torch.tensor([7.0, -7.0, 3.0]), torch.tensor([float("inf"), float("inf"), -2.0])),
+    "floordiv-by-zero": (lambda a, b: a // b, torch.tensor([7.0, -7.0, 1.0, 0.0]), torch.tensor([0.0, 2.0, -0.1, 3.0])),
+    "int-div-floor": (lambda a: torch.div(a, -3, rounding_mode="floor"), _BIG),
+    "int-div-trunc": (lambda a: torch.div(a, 3, rounding_mode="trunc"), _BIG),
+    "int32-div-trunc": (lambda a: torch.div(a.int(), 3, rounding_mode="trunc"), _BIG),
+    "int-floordiv": (lambda a: a // 3, _BIG),
+    "int-remainder": (lambda a: a % -3, _BIG),
+    "int-by-float-floor": (lambda a: torch.div(a, 2.5, rounding_mode="floor"), _BIG),
+}
+
+
+@pytest.mark.parametrize("case", EAGER_ARITHMETIC.values(), ids=EAGER_ARITHMETIC.keys())
+def test_division_and_remainder_give_eagers_values(case):
+    fn, *args = case
+    expected = fn(*args)
+    with compilation_counter.expect(num_backend_compilations=1, num_eager_fallbacks=0):
+        out = torch.compile(fn, backend="qaic", options={"fallback": "error"})(*args)
+    assert out.dtype == expected.dtype
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_attention_with_a_fully_masked_row_gives_zeros_as_eager(dtype, mask_kind, kv_heads):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, 8, generator=g).to(dtype)
+    k, v = (torch.randn(2, kv_heads, 7, 8, generator=g).to(dtype) for _ in range(2))
+    keep = torch.rand(2, 1, 5, 7, generator=g) > 0.5
+    keep[:, :, 0] = False  # query row 0 sees no key: eager's kernel gives zeros, a plain Softmax NaN
+    mask = keep if mask_kind == "bool" else torch.zeros(keep.shape).masked_fill(~keep, float("-inf")).to(dtype)
+
+    def fn(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True) * 2
+
+    expected = fn(q, k, v, mask)
+    with compilation_counter.expect(num_backend_compilations=1, num_eager_fallbacks=0):
+        out = torch.compile(fn, backend="qaic", options={"fallback": "error"})(q, k, v, mask)
+    assert not out.isnan().any()
+    assert out[:, :, 0].abs().max() == 0
+    torch.testing.assert_close(out, expected, **({"rtol": 2e-3, "atol": 2e-3} if dtype == torch.float16 else {}))
+
+
 # --- configuration and entry point ----------------------------------------------------------
 
 
