@@ -1,5 +1,5 @@
 # `make demo` and `make test` work on a fresh machine: they create .venv/, install the
-# pinned dependencies (torch first, from the local CPU wheel), build the native op
+# pinned dependencies (torch first, the CPU build: see TORCH_INDEX), build the native op
 # library against that torch, then run their job.
 PYTHON ?= python3
 VENV   := .venv
@@ -11,15 +11,18 @@ PYTEST_ARGS ?=
 # the suite (13 -> 7.4 minutes measured). `make test PYTEST_WORKERS=0` runs in one process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test test-all build bench clean
+.PHONY: demo test test-all build clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # torch is installed on its own first, pinned, so that no later requirement can make pip
-# resolve a different (CUDA) build.
+# resolve a different (CUDA) build. This project's machines serve the CPU wheel from a local
+# wheel directory; elsewhere plain PyPI would give the CUDA build, so pass the CPU index:
+# `make test TORCH_INDEX=https://download.pytorch.org/whl/cpu`.
+TORCH_INDEX ?=
 $(DEPS): $(BIN)/python requirements.txt requirements-test.txt
-	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install -r requirements.txt -r requirements-test.txt
 	touch $@
 

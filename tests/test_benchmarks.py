@@ -44,16 +44,17 @@ def test_backend_stages_benchmark_smoke(tmp_path):
 
 
 def test_cold_start_report_re_renders_a_saved_run_without_measuring(tmp_path):
-    def sample(method, layers, first, backend, run):
+    def sample(method, layers, first, backend, run, gc_s=0.0):
         s = {"method": method, "layers": layers, "first_call_s": first, "backend_s": backend, "run_s": run,
-             "dynamo_s": first - backend - run}
+             "dynamo_s": first - backend - run, "compile_s": first - run, "gc_s": gc_s,
+             "full_collections": int(gc_s > 0)}
         if method == "regional":
             s.update(graphs=5, unique_pieces=6, onnx_exports=6, disk_hits=0, exporter_fallbacks=0,
                      piece_lowering_s=[0.1, 0.3], median_piece_lowering_s=0.2)
         return s
 
     saved = {"repeats": 3, "expensive_repeats": 1, "samples": {
-        "regional": {"2": [sample("regional", 2, 2.5, 1.2, 0.02)], "32": [sample("regional", 32, 2.7, 1.3, 0.25)]},
+        "regional": {"2": [sample("regional", 2, 2.5, 1.2, 0.02)], "32": [sample("regional", 32, 2.7, 1.3, 0.25, gc_s=0.2)]},
         "floor": {"2": [sample("floor", 2, 2.6, 0.0, 0.03)], "32": [sample("floor", 32, 13.5, 0.0, 0.3)]}}}
     run = tmp_path / "run.json"
     run.write_text(json.dumps(saved))
@@ -69,7 +70,11 @@ def test_cold_start_report_re_renders_a_saved_run_without_measuring(tmp_path):
     assert again["ratios"]["vs_floor"] == pytest.approx(2.7 / 13.5)  # regional(32) / floor(32)
     assert again["ratios"]["flat_32"] == pytest.approx(2.7 / 2.5)
     md = (tmp_path / "cold_start_again.md").read_text()
-    assert "| regional | 32 | 1.15 | 1.3 | 0.25 | 0.2 |" in md  # Dynamo = 2.7 - 1.3 - 0.25
+    assert "| regional | 32 | 1.15 | 1.3 | 0.25 | 0.2 | 1 | 0.2 |" in md  # Dynamo = 2.7 - 1.3 - 0.25
+    # Diagnostics beside the targets: less the forward (the second call), then less the GC.
+    assert again["diagnostics"]["compile: regional(32)/regional(2)"] == pytest.approx((2.7 - 0.25) / (2.5 - 0.02))
+    assert again["diagnostics"]["compile less GC: regional(32)/regional(2)"] == pytest.approx(
+        (2.7 - 0.25 - 0.2) / (2.5 - 0.02))
 
 
 @pytest.mark.slow  # ~80 s of fresh processes on 2 cores (CI's 20-minute budget); `make test-all` runs it
