@@ -13,7 +13,9 @@ PYTEST_WORKERS ?= 2
 
 .PHONY: demo test test-all build clean
 
+# Python 3.11: the pinned torch CPU wheel is built for it.
 $(BIN)/python:
+	$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11) and "qaic_dynamo needs Python 3.11, found " + sys.version.split()[0] + ": make ... PYTHON=python3.11")'
 	$(PYTHON) -m venv $(VENV)
 
 # torch is installed on its own first, pinned, so that no later requirement can make pip

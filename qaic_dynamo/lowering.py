@@ -52,7 +52,9 @@ import functools
 import inspect
 import itertools
 import logging
+import math
 import operator
+import struct
 import sys
 import threading
 import time
@@ -1123,6 +1125,51 @@ def _masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return out.to(dtype), (torch.log(total) + top).squeeze(-1)
 
 
+def _round_to(x: float, dtype: torch.dtype) -> float:
+    """``x`` rounded to float16 / bfloat16 through float32 (as c10 converts a double
+    scalar), in plain Python: inside the trace every tensor op would be traced."""
+    if math.isnan(x) or math.isinf(x):
+        return x
+    try:
+        (f32,) = struct.unpack("<f", struct.pack("<f", x))
+        if dtype == torch.float16:
+            return struct.unpack("<e", struct.pack("<e", f32))[0]
+    except OverflowError:  # past the type's range: eager's conversion gives infinity
+        return math.copysign(math.inf, x)
+    (bits,) = struct.unpack("<I", struct.pack("<f", f32))
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16  # bfloat16: round to nearest even
+    if bits >= 1 << 32 or (bits & 0x7F800000) == 0x7F800000:
+        return math.copysign(math.inf, x)
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+def _reduced_float_comparison(op: Any) -> Callable[..., Any]:
+    """``op`` (eq, ne, lt, ...) on a float16 / bfloat16 tensor and a Python float or a 0-d
+    tensor of another type, as eager compares: in the reduced type, the scalar rounded to
+    it. The exporter's type promotion compares in float32 against the exact scalar instead,
+    so ``h >= 0.1`` was False for ``h`` = float16(0.1), which is below 0.1. Rounding the
+    scalar first gives eager's answer whatever the comparison is then computed in."""
+
+    def compare(a: Any, b: Any) -> Any:
+        dtype = torch.result_type(a, b)
+        if dtype not in (torch.float16, torch.bfloat16):
+            return NotImplemented
+
+        def rounded(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                return x.to(dtype) if x.dtype != dtype else x
+            if isinstance(x, float):
+                return _round_to(x, dtype)
+            return x
+
+        ra, rb = rounded(a), rounded(b)
+        if all(r is x or (isinstance(x, float) and r == x) for r, x in ((ra, a), (rb, b))):
+            return NotImplemented  # already in the reduced type: the translation compares right
+        return op(ra, rb)
+
+    return compare
+
+
 _aten = torch.ops.aten
 #: Ops whose onnxscript translation disagrees with eager, decomposed in the aten trace.
 TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
@@ -1134,6 +1181,10 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
     _aten.div.Tensor_mode: _div_mode,
     _aten.div.Scalar_mode: _div_mode,
     _aten._scaled_dot_product_flash_attention_for_cpu.default: _masked_attention,
+    **{getattr(_aten, name).Scalar: _reduced_float_comparison(getattr(_aten, name).Scalar)
+       for name in ("eq", "ne", "lt", "le", "gt", "ge")},
+    **{getattr(_aten, name).Tensor: _reduced_float_comparison(getattr(_aten, name).Tensor)
+       for name in ("eq", "ne", "lt", "le", "gt", "ge")},
 }
 
 

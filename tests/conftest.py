@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from hypothesis import settings
 
 import qaic_dynamo  # noqa: F401  (registers torch.ops.qaic)
+
+# CI draws the same examples on every run, so a failure in its log reproduces locally
+# (`CI=true pytest ...`); elsewhere Hypothesis explores new ones each run.
+settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 @pytest.fixture(autouse=True)

@@ -588,10 +588,31 @@ EAGER_ARITHMETIC = {  # the first two: 1.0 // 0.1 is 9 in eager and Python (0.1 
 def test_division_and_remainder_give_eagers_values(case):
     fn, *args = case
     expected = fn(*args)
-    with compilation_counter.expect(num_backend_compilations=1, num_eager_fallbacks=0):
+    with compilation_counter.expect(num_backend_compilations=1, num_eager_fallbacks=0, num_exporter_fallbacks=0):
         out = torch.compile(fn, backend="qaic", options={"fallback": "error"})(*args)
     assert out.dtype == expected.dtype
     torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+
+
+_H = torch.tensor([0.1, 0.2, 0.3, -0.1, 7e4], dtype=torch.float16)  # float16(0.1) is below 0.1
+REDUCED_COMPARISONS = {
+    "ge-float": (lambda a: a >= 0.1, _H),
+    "eq-float": (lambda a: a == 0.1, _H),
+    "ne-float-bf16": (lambda a: a != 0.3, _H.to(torch.bfloat16)),
+    "le-0d-tensor": (lambda a, s: a <= s, _H, torch.tensor(0.09997)),
+    "lt-0d-tensor-left": (lambda a, s: s < a, _H, torch.tensor(0.1)),
+    "gt-past-float16": (lambda a: a > 70000.0, _H),  # 70000 rounds to float16's 70016
+    "in-float32": (lambda a: a.float() >= 0.1, _H),  # no rounding: compared in float32, as eager
+}
+
+
+@pytest.mark.parametrize("case", REDUCED_COMPARISONS.values(), ids=REDUCED_COMPARISONS.keys())
+def test_float16_comparisons_with_scalars_give_eagers_answer(case):
+    fn, *args = case
+    expected = fn(*args)
+    with compilation_counter.expect(num_backend_compilations=1, num_eager_fallbacks=0, num_exporter_fallbacks=0):
+        out = torch.compile(fn, backend="qaic", options={"fallback": "error"})(*args)
+    assert torch.equal(out, expected), (out, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -609,7 +630,7 @@ def test_attention_with_a_fully_masked_row_gives_zeros_as_eager(dtype, mask_kind
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True) * 2
 
     expected = fn(q, k, v, mask)
-    with compilation_counter.expect(num_backend_compilations=1, num_eager_fallbacks=0):
+    with compilation_counter.expect(num_backend_compilations=1, num_eager_fallbacks=0, num_exporter_fallbacks=0):
         out = torch.compile(fn, backend="qaic", options={"fallback": "error"})(q, k, v, mask)
     assert not out.isnan().any()
     assert out[:, :, 0].abs().max() == 0
@@ -662,7 +683,8 @@ def test_config_hash_covers_artifact_fields_only(monkeypatch):
         ONNXRUNTIME = "onnxruntime"
 
     assert CompilationConfig.from_options({"runtime": Runtime.ONNXRUNTIME}).compute_hash() == base.compute_hash()
-    numpy = pytest.importorskip("numpy")
+    import numpy
+
     assert CompilationConfig.from_options({"opset": numpy.int64(18), "num_threads": numpy.int32(2)}) == base.replace(
         num_threads=2)  # numpy integers are ints: the same config, the same hash
     monkeypatch.setenv("QAIC_DYNAMO_DUMP_DIR", "/tmp/from-env")

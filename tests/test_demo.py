@@ -71,7 +71,9 @@ def test_demo_runs_the_weights_of_a_model_directory(tmp_path):
     hf.save_pretrained(tmp_path)
     args = demo.argparse.Namespace(model="llama", config=str(tmp_path), layers=None, hidden_size=None, seed=0)
     built = demo.build_model(args)
-    assert all(torch.equal(a, b) for a, b in zip(built.state_dict().values(), hf.state_dict().values()))
+    built_sd, hf_sd = built.state_dict(), hf.state_dict()
+    assert built_sd.keys() == hf_sd.keys() and len(built_sd) > 0
+    assert all(torch.equal(built_sd[k], hf_sd[k]) for k in built_sd)
     proc = run_cli("demo", "--config", str(tmp_path), "--layers", "4")
     assert proc.returncode == 2 and "holds weights, so its shape is fixed" in proc.stderr, proc.stderr[-2000:]
 

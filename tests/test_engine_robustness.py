@@ -137,7 +137,9 @@ def test_dtype_casts_a_copy_of_the_weights_not_the_callers_model():
     assert {p.dtype for p in llm.model.parameters()} == {torch.float16}
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     torch.testing.assert_close(plain_run(model)[0], logits, atol=0, rtol=0)
-    llm.generate(PROMPTS, 2)  # runs in float16
+    out = llm.generate(PROMPTS, 2)  # runs in float16
+    assert len(out) == len(PROMPTS) and all(1 <= len(t) <= 2 for t in out)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # still the caller's float32
 
 
 def test_reference_model_state_is_unchanged():

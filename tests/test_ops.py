@@ -439,7 +439,6 @@ def test_unified_ops_trace_without_a_context():
         gm_holder.append(gm)
         return gm.forward
 
-    torch.compile(layer, backend=capture, fullgraph=True)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():

@@ -506,18 +506,21 @@ def test_an_exporter_fallback_during_a_recompile_does_not_crash_dynamo():
     # directly and go to the exporter. The exporter used to retry with a strict (Dynamo)
     # export inside this compile, which dropped the frame's cache entries under it:
     # InternalTorchDynamoError or a segfault. Now those pieces run eagerly, with a warning.
-    outs = []
+    outs, caught = [], []
     for eps in (1e-5, 1e-6):
         torch.manual_seed(0)
         model = QaicLlamaForCausalLM(QaicLlamaConfig(num_hidden_layers=2, rms_norm_eps=eps)).eval()
-        with warnings.catch_warnings(record=True):
+        with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
             got = run_steps(model, torch.compile(model, backend="qaic"), steps=1)
+        caught.append([str(w.message) for w in record])
         want = run_steps(model, model, steps=1)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
         outs.append(got)
     assert not torch.equal(outs[0][0], outs[1][0]), "the two models differ"
+    assert not any("runs eagerly" in m for m in caught[0])  # the first model is lowered directly
+    assert any("runs eagerly" in m for m in caught[1]), caught[1]  # the recompile's exporter pieces
 
 
 def test_registry_matches_from_torchlib():
@@ -861,7 +864,7 @@ def test_op_signatures_are_memoized_only_while_translating():
 def test_openmp_workers_are_released_and_pytorch_still_runs_in_parallel():
     """After a parallel region PyTorch's OpenMP workers spin for milliseconds; releasing
     them (omp_pause_resource_all) must succeed, and PyTorch's next parallel region must
-    start new workers and compute the same result."""
+    compute the same result."""
     from qaic_dynamo.runtime import release_openmp_workers
 
     assert release_openmp_workers() is True  # the runtime PyTorch loaded was found
@@ -869,7 +872,6 @@ def test_openmp_workers_are_released_and_pytorch_still_runs_in_parallel():
     want = x @ x.T  # a parallel region: the workers now spin
     assert release_openmp_workers() is True
     assert torch.equal(x @ x.T, want)
-    assert torch.get_num_threads() >= 1
 
 
 @pytest.mark.parametrize("release", [True, False])

@@ -3,6 +3,8 @@ and gives what the whole-model compile and eager give."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -751,8 +753,10 @@ def test_on_an_untested_torch_blocks_enter_through_dynamo_with_one_warning(monke
     regions.dynamo_internals.cache_clear()
     try:
         model = Stack(2)
-        with pytest.warns(RuntimeWarning, match=r"region_dispatch='guarded' unavailable\): torch .* is not the tested 0.0.0"):
+        pattern = r"region_dispatch='guarded' unavailable\): torch .* is not the tested 0.0.0"
+        with pytest.warns(RuntimeWarning, match=pattern) as record:
             qaic_dynamo.compile(model)
+        assert len([w for w in record if re.search(pattern, str(w.message))]) == 1  # not one per region
         assert all(m.dispatch is None for m in model.layers)
     finally:
         regions.dynamo_internals.cache_clear()

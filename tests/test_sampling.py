@@ -61,7 +61,8 @@ def test_invalid_sampling_params_are_refused_with_the_valid_range(kwargs, messag
 def test_sampling_params_take_what_vllm_callers_pass():
     """A generator of stop ids was used up by validation and stored empty (the stop was
     lost); None (vLLM's default) raised a bare TypeError; numpy ints were refused."""
-    np = pytest.importorskip("numpy")
+    import numpy as np
+
     assert SamplingParams(stop_token_ids=(t for t in [3, 4])).stop_token_ids == (3, 4)
     assert SamplingParams(stop_token_ids=None).stop_token_ids == ()
     p = SamplingParams(stop_token_ids=[np.int64(5)], seed=np.int64(7))
