@@ -584,12 +584,17 @@ EAGER_ARITHMETIC = {  # the first two: 1.0 // 0.1 is 9 in eager and Python (0.1 
 }
 
 
-@pytest.mark.parametrize("case", EAGER_ARITHMETIC.values(), ids=EAGER_ARITHMETIC.keys())
-def test_division_and_remainder_give_eagers_values(case):
-    fn, *args = case
+def lowered_and_eager(fn, *args):
+    """``fn`` compiled (lowered directly: no eager or exporter fallback) and eager."""
     expected = fn(*args)
     with compilation_counter.expect(num_backend_compilations=1, num_eager_fallbacks=0, num_exporter_fallbacks=0):
         out = torch.compile(fn, backend="qaic", options={"fallback": "error"})(*args)
+    return out, expected
+
+
+@pytest.mark.parametrize("case", EAGER_ARITHMETIC.values(), ids=EAGER_ARITHMETIC.keys())
+def test_division_and_remainder_give_eagers_values(case):
+    out, expected = lowered_and_eager(*case)
     assert out.dtype == expected.dtype
     torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
 
@@ -608,10 +613,7 @@ REDUCED_COMPARISONS = {
 
 @pytest.mark.parametrize("case", REDUCED_COMPARISONS.values(), ids=REDUCED_COMPARISONS.keys())
 def test_float16_comparisons_with_scalars_give_eagers_answer(case):
-    fn, *args = case
-    expected = fn(*args)
-    with compilation_counter.expect(num_backend_compilations=1, num_eager_fallbacks=0, num_exporter_fallbacks=0):
-        out = torch.compile(fn, backend="qaic", options={"fallback": "error"})(*args)
+    out, expected = lowered_and_eager(*case)
     assert torch.equal(out, expected), (out, expected)
 
 
@@ -629,9 +631,7 @@ def test_attention_with_a_fully_masked_row_gives_zeros_as_eager(dtype, mask_kind
     def fn(q, k, v, mask):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True) * 2
 
-    expected = fn(q, k, v, mask)
-    with compilation_counter.expect(num_backend_compilations=1, num_eager_fallbacks=0, num_exporter_fallbacks=0):
-        out = torch.compile(fn, backend="qaic", options={"fallback": "error"})(q, k, v, mask)
+    out, expected = lowered_and_eager(fn, q, k, v, mask)
     assert not out.isnan().any()
     assert out[:, :, 0].abs().max() == 0
     torch.testing.assert_close(out, expected, **({"rtol": 2e-3, "atol": 2e-3} if dtype == torch.float16 else {}))
