@@ -59,7 +59,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,6 +133,12 @@ class PreparedPiece:
     input_names: list[str]
     output_names: list[str]
     layout: PieceLayout
+    #: ``example`` at the dynamic sizes Dynamo saw, the direct trace's second try, with
+    #: equal sizes kept apart (None: no dynamic size, or one below 2, which it would fix).
+    real_example: list[torch.Tensor] | None = None
+    #: The sizes Dynamo gave the piece's tensor inputs (SymInts), in ``example``'s order:
+    #: what the second try's size guards must follow from.
+    dynamo_sizes: list[tuple[Any, ...]] = field(default_factory=list)
 
 
 @dataclass
@@ -399,32 +405,44 @@ def _input_write_error(node: fx.Node, index: int, name: str) -> LoweringError:
     )
 
 
-def export_inputs(rw: _Rewrite) -> tuple[list[torch.Tensor], list[dict[int, Any] | None], list[dict[str, Any]]]:
-    """Pass 4: example tensors, dynamic dims and layout entries of the ONNX inputs."""
+def export_inputs(
+    rw: _Rewrite,
+) -> tuple[list[torch.Tensor], list[dict[int, Any] | None], list[dict[str, Any]], list[torch.Tensor] | None]:
+    """Pass 4: example tensors, dynamic dims and layout entries of the ONNX inputs, and
+    examples at the sizes Dynamo saw (None if one is 0 or 1: the trace would fix it)."""
     # Example sizes for the exporter and the direct trace: distinct primes, so a dynamic
     # size never equals a model dimension (2 kv heads, say) and gets specialised to it.
+    # They ignore Dynamo's guards, though: code that needs a relation between sizes (a
+    # dynamic slice of a fixed-length table, ``w[:x.shape[0]]``) fails to trace at them,
+    # and the real sizes, which satisfy every guard, are the second try.
     primes = iter((17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83, 89, 97))
-    values = {s: next(primes, max(_hint(s_int), 2)) for s, s_int in _symbol_hints(rw.example_args).items()}
+    hints = {s: _hint(s_int) for s, s_int in _symbol_hints(rw.example_args).items()}
+    values = {s: next(primes, max(h, 2)) for s, h in hints.items()}
+    real_usable = all(h >= 2 for h in hints.values())
     example: list[torch.Tensor] = []
+    real: list[torch.Tensor] = []
     dynamic: list[dict[int, Any] | None] = []
     inputs: list[dict[str, Any]] = []
     for src in rw.input_sources:
         a = rw.example_args[src[1]]
         example.append(torch.zeros([_concrete(d, values) for d in a.shape], dtype=a.dtype))
+        if real_usable:
+            real.append(torch.zeros([_concrete(d, hints) for d in a.shape], dtype=a.dtype))
         dyn = {d: torch.export.Dim.DYNAMIC for d, size in enumerate(a.shape) if _is_symbolic(size)}
         dynamic.append(dyn or None)
         inputs.append({"name": f"arg{src[1]}", "source": src})
+    extra: list[torch.Tensor] = []
     for u, upd in enumerate(rw.kv_updates):
         for j, name in enumerate(upd["names"]):
             heads, head_size, dtype = upd["cache_dims"][j]
-            example.append(torch.zeros(4, heads, 4, head_size, dtype=getattr(torch, dtype)))
+            extra.append(torch.zeros(4, heads, 4, head_size, dtype=getattr(torch, dtype)))
             dynamic.append({0: torch.export.Dim.DYNAMIC, 2: torch.export.Dim.DYNAMIC})
             inputs.append({"name": name, "source": ["cache", u, j]})
     if rw.slot_mapping is not None:
-        example.append(torch.zeros(3, dtype=torch.int64))
+        extra.append(torch.zeros(3, dtype=torch.int64))
         dynamic.append({0: torch.export.Dim.DYNAMIC})
         inputs.append({"name": "slot_mapping", "source": ["slot_mapping"]})
-    return example, dynamic, inputs
+    return example + extra, dynamic, inputs, (real + extra if real_usable and hints else None)
 
 
 def prepare(gm: fx.GraphModule, example_args: Sequence[Any], fake_mode: Any) -> PreparedPiece:
@@ -453,7 +471,7 @@ def prepare(gm: fx.GraphModule, example_args: Sequence[Any], fake_mode: Any) -> 
     # result nothing reads is not dead (fx's own test calls ``x.add_(1)`` pure).
     g.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or bool(written_tensors(n)))
     g.lint()
-    example, dynamic, inputs = export_inputs(rw)
+    example, dynamic, inputs, real_example = export_inputs(rw)
     layout = PieceLayout(
         inputs=inputs,
         outputs=outputs,
@@ -465,7 +483,8 @@ def prepare(gm: fx.GraphModule, example_args: Sequence[Any], fake_mode: Any) -> 
         has_model=bool(outputs),
     )
     return PreparedPiece(
-        fx.GraphModule(gm, g).eval(), example, dynamic, [i["name"] for i in inputs], [o["name"] for o in outputs], layout
+        fx.GraphModule(gm, g).eval(), example, dynamic, [i["name"] for i in inputs], [o["name"] for o in outputs], layout,
+        real_example, [tuple(example_args[src[1]].shape) for src in rw.input_sources],
     )
 
 
@@ -1196,9 +1215,11 @@ class _DirectPathError(Exception):
         self.op = op
 
 
-def fake_inputs(example: Sequence[torch.Tensor], dynamic_shapes: Sequence[dict[int, Any] | None]) -> list[torch.Tensor]:
+def fake_inputs(example: Sequence[torch.Tensor], dynamic_shapes: Sequence[dict[int, Any] | None],
+                duck_shape: bool = True) -> list[torch.Tensor]:
     """Fresh fake inputs whose dynamic dims (and only those) are symbols; dims given the
     same *string* name (the deployment export's "batch_size", "ctx_len") are one symbol.
+    ``duck_shape=False``: equal example sizes stay separate symbols.
 
     A private fake mode and shape env: tracing in Dynamo's own would add guards to the
     frame being compiled.
@@ -1206,7 +1227,7 @@ def fake_inputs(example: Sequence[torch.Tensor], dynamic_shapes: Sequence[dict[i
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-    mode = FakeTensorMode(shape_env=ShapeEnv())
+    mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=duck_shape))
     # Without the fake-tensor dispatch cache: a piece is traced once, so an entry is almost
     # never hit again, and building one with symbolic sizes (validating and re-deriving
     # the output's sizes and strides as sympy expressions) costs more than running the
@@ -1243,17 +1264,23 @@ def refuse_aten_input_writes(gm: fx.GraphModule) -> None:
 
 
 def aten_graph(
-    fn: Any, example: Sequence[torch.Tensor], dynamic_shapes: Sequence[dict[int, Any] | None], opset: int
+    fn: Any, example: Sequence[torch.Tensor], dynamic_shapes: Sequence[dict[int, Any] | None], opset: int,
+    keep_symbols_apart: bool = False, guards_follow_from: Sequence[tuple[Any, ...]] | None = None,
 ) -> fx.GraphModule:
     """``fn`` (a piece, or any traceable callable of tensors) as a functional aten graph,
     decomposed to what the registry translates: one fake-tensor trace with the
     decompositions applied during it (no torch.export, no run_decompositions re-trace).
     ``dynamic_shapes[i]`` holds the dynamic dims of ``example[i]``; the example sizes of
-    dynamic dims must not be 0 or 1 (they would be specialised)."""
+    dynamic dims must not be 0 or 1 (they would be specialised). ``keep_symbols_apart``
+    (the real sizes' second try, where two sizes may happen to be equal): equal sizes are
+    separate symbols, and a trace that took one for the other is refused.
+    ``guards_follow_from``: Dynamo's sizes of the first inputs; a trace whose size guards
+    (a branch a decomposition took on a size) do not follow from Dynamo's guards on those
+    sizes is refused: the ONNX would serve sizes the branch does not hold for."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     internals = torch_onnx_internals()
-    fakes = fake_inputs(example, dynamic_shapes)
+    fakes = fake_inputs(example, dynamic_shapes, duck_shape=not keep_symbols_apart)
     with (
         torch._guards.tracing(None),  # the passes below detect their fake mode through it
         torch.fx.experimental._config.patch(backed_size_oblivious=True),
@@ -1278,6 +1305,13 @@ def aten_graph(
         fixed = sorted(str(k) for k, v in shape_env.replacements.items() if v.is_number)
         if fixed:
             raise _DirectPathError("(trace)", f"the trace specialised dynamic size(s) {fixed} to constants")
+        merged = sorted(f"{k} -> {v}" for k, v in shape_env.replacements.items() if not v.is_number)
+        if keep_symbols_apart and merged:
+            raise _DirectPathError("(trace)", f"the trace related dynamic sizes {merged}")
+        if guards_follow_from is not None:
+            unproven = _guards_not_implied(fakes, shape_env, guards_follow_from)
+            if unproven:
+                raise _DirectPathError("(trace)", f"size guards {unproven} do not follow from Dynamo's")
     _expand_sym_numel(gm)
     for node in gm.graph.nodes:
         node.meta.setdefault("nn_module_stack", {})  # the translator records it per node
@@ -1455,10 +1489,69 @@ def _unmemoize_op_signatures(original: Any) -> None:
 _memoized_op_signatures = ProcessWide(_memoize_op_signatures, _unmemoize_op_signatures).held
 
 
+def _guards_not_implied(fakes: Sequence[torch.Tensor], shape_env: Any, dynamo_sizes: Sequence[tuple[Any, ...]]) -> list[str]:
+    """The trace's size guards that Dynamo's guards on the same sizes do not imply (all of
+    them where that cannot be decided). Reads the ShapeEnv's ``guards``,
+    ``deferred_runtime_asserts``, ``get_axioms`` and ``_maybe_evaluate_static`` (private,
+    torch 2.13); if any is missing, nothing is taken as implied."""
+    mapping: dict[sympy.Symbol, sympy.Expr] = {}
+    dynamo_env = None
+    for fake, sizes in zip(fakes, dynamo_sizes):
+        for mine, theirs in zip(fake.shape, sizes):
+            if isinstance(mine, torch.SymInt) and isinstance(theirs, torch.SymInt):
+                mapping[mine.node.expr] = theirs.node.expr
+                dynamo_env = theirs.node.shape_env
+    try:
+        exprs = [g.expr for g in shape_env.guards]
+        exprs += [r.expr for rs in shape_env.deferred_runtime_asserts.values() for r in rs]
+        if not exprs:
+            return []
+        axioms = dynamo_env.get_axioms() if dynamo_env is not None else ()
+        unproven = []
+        for expr in exprs:
+            if dynamo_env is None or not expr.free_symbols <= mapping.keys():
+                unproven.append(str(expr))
+                continue
+            theirs = expr.xreplace(mapping)
+            if dynamo_env._maybe_evaluate_static(theirs, axioms=axioms) != sympy.true and not _holds_over_range(
+                    theirs, dynamo_env.var_to_range):
+                unproven.append(str(expr))
+        return unproven
+    except Exception as e:  # a private API moved: prove nothing
+        return [f"(cannot check: {type(e).__name__})"]
+
+
+def _holds_over_range(expr: sympy.Basic, ranges: Mapping[sympy.Symbol, Any], limit: int = 4096) -> bool:
+    """Whether a guard on one size holds at every value of that size's (finite, small)
+    range: sympy does not simplify ``Eq(s, Min(10, s))`` under ``s <= 10``."""
+    if len(expr.free_symbols) != 1:
+        return False
+    (sym,) = expr.free_symbols
+    vr = ranges.get(sym)
+    from torch.utils._sympy.numbers import int_oo  # sympy takes torch's integer infinity for finite
+
+    if vr is None or any(b in (int_oo, -int_oo, sympy.oo, -sympy.oo) for b in (vr.lower, vr.upper)):
+        return False
+    if int(vr.upper) - int(vr.lower) > limit:
+        return False
+    return all(bool(expr.xreplace({sym: sympy.Integer(v)})) for v in range(int(vr.lower), int(vr.upper) + 1))
+
+
 def _lower_direct(prepared: PreparedPiece, opset: int, seconds: dict[str, float]) -> onnx.ModelProto:
     """Translate the piece's aten graph node by node through the exporter's registry."""
     t0 = time.perf_counter()
-    gm = aten_graph(prepared.gm, prepared.example, prepared.dynamic_shapes, opset)
+    try:
+        gm = aten_graph(prepared.gm, prepared.example, prepared.dynamic_shapes, opset)
+    except LoweringError:
+        raise
+    except Exception as at_primes:
+        if prepared.real_example is None:
+            raise
+        try:  # the sizes Dynamo saw satisfy its guards (see export_inputs)
+            gm = aten_graph(prepared.gm, prepared.real_example, prepared.dynamic_shapes, opset, keep_symbols_apart=True,
+                            guards_follow_from=prepared.dynamo_sizes)
+        except Exception:
+            raise at_primes from None
     seconds["aten_trace"] = time.perf_counter() - t0
     return translate_aten(gm, prepared.input_names, prepared.output_names, opset)
 

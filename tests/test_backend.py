@@ -637,6 +637,24 @@ def test_attention_with_a_fully_masked_row_gives_zeros_as_eager(dtype, mask_kind
     torch.testing.assert_close(out, expected, **({"rtol": 2e-3, "atol": 2e-3} if dtype == torch.float16 else {}))
 
 
+SIZE_RELATIONS = {  # code that needs Dynamo's guards on the sizes (s <= 10; index rows <= source rows)
+    "slice-a-fixed-table": (lambda a, w: a + w[: a.shape[0]], lambda n: (torch.randn(n), torch.arange(10.0))),
+    "gather": (lambda a, i: a.gather(1, i), lambda n: (torch.randn(n, 4), torch.randint(0, 4, (n, 2)))),
+}
+
+
+@pytest.mark.parametrize("case", SIZE_RELATIONS.values(), ids=SIZE_RELATIONS.keys())
+def test_dynamic_pieces_that_need_a_size_relation_are_lowered_at_the_real_sizes(case):
+    # The direct trace's example sizes (17, 19, ...) break the relation; its second try,
+    # at the sizes Dynamo saw, keeps it, where the piece used to run eagerly.
+    fn, make = case
+    compiled = torch.compile(fn, backend="qaic", options={"fallback": "error"})
+    with compilation_counter.expect(num_eager_fallbacks=0, num_exporter_fallbacks=0):
+        for n in (3, 5, 7):  # the second call compiles the dynamic graph
+            args = make(n)
+            torch.testing.assert_close(compiled(*args), fn(*args), rtol=0, atol=0)
+
+
 # --- configuration and entry point ----------------------------------------------------------
 
 

@@ -892,3 +892,21 @@ def test_every_onnx_runtime_run_first_releases_the_openmp_workers(monkeypatch, r
         assert all(events[i - 1] == "release" for i, e in enumerate(events) if e == "run")
     else:
         assert "release" not in events
+
+
+def test_a_size_guard_holds_over_a_range_only_if_it_holds_at_every_size():
+    # The second try at the real sizes keeps a trace only if its size guards follow from
+    # Dynamo's: sympy cannot simplify Eq(s, Min(10, s)) under s <= 10, so the (small,
+    # finite) range is checked value by value; an unbounded one proves nothing.
+    import sympy
+    from torch.utils._sympy.numbers import int_oo
+    from torch.utils._sympy.value_ranges import ValueRanges
+
+    from qaic_dynamo.lowering import _holds_over_range
+
+    s = sympy.Symbol("s", integer=True, positive=True)
+    clamp = sympy.Eq(s, sympy.Min(10, s))
+    assert _holds_over_range(clamp, {s: ValueRanges(2, 10)})
+    assert not _holds_over_range(clamp, {s: ValueRanges(2, 11)})
+    assert not _holds_over_range(s >= 2, {s: ValueRanges(2, int_oo)})
+    assert not _holds_over_range(clamp, {})
