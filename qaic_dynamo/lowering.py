@@ -1056,17 +1056,20 @@ def decompositions(opset: int) -> dict[Any, Any]:
 # ``1.0 // 0.1`` is 9 (0.1 is a little above a tenth; Python agrees) where Floor(Div) gives
 # 10, ``x % 0.1`` is 0.1 where the translation gives 0, and an int64 above 2**24 divided
 # with ``rounding_mode="floor"`` loses its low bits. These decompositions, applied in the
-# aten trace, spell eager's formulas in ops whose translations are exact. float16 and
-# bfloat16 keep the translation (eager rounds each step to the reduced type).
+# aten trace (and before the exporter's own, on its fallback path), spell eager's formulas
+# in ops whose translations are exact. Floor division of float16 / bfloat16 runs in float32
+# with the scalar unrounded, as eager's kernel does; their remainder keeps the translation,
+# which matches eager's (it rounds the scalar).
+
+_FLOATS = (torch.float32, torch.float64)
+_REDUCED = (torch.float16, torch.bfloat16)
 
 
-def _operands(a: Any, b: Any) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
-    dtype = torch.result_type(a, b)
-
+def _operands(a: Any, b: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     def cast(x: Any) -> torch.Tensor:
         return x.to(dtype) if isinstance(x, torch.Tensor) else torch.scalar_tensor(x, dtype=dtype)
 
-    return cast(a), cast(b), dtype
+    return cast(a), cast(b)
 
 
 def _signs_differ(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -1085,31 +1088,41 @@ def _float_floor_divide(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(b == 0, quotient, floor)
 
 
+def _any_floor_divide(a: Any, b: Any, dtype: torch.dtype) -> Any:
+    if dtype in _FLOATS:
+        return _float_floor_divide(*_operands(a, b, dtype))
+    if dtype in _REDUCED:
+        return _float_floor_divide(*_operands(a, b, torch.float32)).to(dtype)
+    return NotImplemented  # integers: onnxscript's translation is exact
+
+
 def _floor_divide(a: Any, b: Any) -> Any:
-    a, b, dtype = _operands(a, b)
-    if dtype not in (torch.float32, torch.float64):
-        return NotImplemented  # integers: onnxscript's translation is exact
-    return _float_floor_divide(a, b)
+    return _any_floor_divide(a, b, torch.result_type(a, b))
 
 
 def _remainder(a: Any, b: Any) -> Any:
-    a, b, dtype = _operands(a, b)
-    if dtype not in (torch.float32, torch.float64):
-        return NotImplemented
-    mod = torch.fmod(a, b)
-    return torch.where((mod != 0) & _signs_differ(b, mod), mod + b, mod)
+    dtype = torch.result_type(a, b)
+    if dtype in _FLOATS:
+        a, b = _operands(a, b, dtype)
+        mod = torch.fmod(a, b)
+        return torch.where((mod != 0) & _signs_differ(b, mod), mod + b, mod)
+    if not dtype.is_floating_point and dtype != torch.bool and any(isinstance(x, torch.SymInt) for x in (a, b)):
+        # An integer remainder by a size (``x % x.shape[0]``) has no translation; the
+        # floor division's does, and is exact.
+        a, b = _operands(a, b, dtype)
+        return a - torch.floor_divide(a, b) * b
+    return NotImplemented
 
 
 def _div_mode(a: Any, b: Any, *, rounding_mode: str | None = None) -> Any:
     if rounding_mode is None:
         return NotImplemented
-    a, b, dtype = _operands(a, b)
+    dtype = torch.result_type(a, b)
     if dtype.is_floating_point:
-        if rounding_mode == "floor" and dtype in (torch.float32, torch.float64):
-            return _float_floor_divide(a, b)
-        return NotImplemented  # trunc(a / b), as eager
+        return _any_floor_divide(a, b, dtype) if rounding_mode == "floor" else NotImplemented  # trunc(a / b), as eager
     if dtype == torch.bool:
         return NotImplemented
+    a, b = _operands(a, b, dtype)
     floor = torch.floor_divide(a, b)  # integer Div and Mod, exact
     if rounding_mode == "floor":
         return floor
@@ -1119,29 +1132,35 @@ def _div_mode(a: Any, b: Any, *, rounding_mode: str | None = None) -> Any:
     return floor + ((rest != 0) & _signs_differ(a, b)).to(dtype)
 
 
+_reentry = threading.local()
+
+
 def _masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0,
                       is_causal: bool = False, *, attn_mask: torch.Tensor | None = None,
                       scale: float | None = None) -> Any:
     """``scaled_dot_product_attention`` with a mask, as torch's CPU kernel computes it: a
     query row whose keys are all masked out gives zeros (onnxscript's plain Softmax gives
     NaN there, which spreads into anything reduced over that row - a left-padded batch's
-    padding rows)."""
-    if attn_mask is None or dropout_p != 0.0 or is_causal or query.dim() != 4 or query.shape[1] % key.shape[1]:
+    padding rows). The op itself stays (its translation, and its fake kernel, which does not
+    compare the key's and value's lengths: dynamic pieces keep tracing at example sizes);
+    only those rows are set. sdpa has made a bool mask a float one with -inf by now. The
+    logsumexp output is left as the translation gives it (sdpa drops it)."""
+    if attn_mask is None or getattr(_reentry, "attention", False):
         return NotImplemented
-    dtype = query.dtype
-    work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype  # the kernel accumulates in float
-    q, k, v = query.to(work), key.to(work), value.to(work)
-    if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves a group
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
-    scores = (q @ k.transpose(-2, -1)) * scale + attn_mask.to(work)
-    top = scores.amax(-1, keepdim=True)
-    top = torch.where(top == float("-inf"), torch.zeros_like(top), top)  # an all-masked row
-    weights = torch.exp(scores - top)
-    total = weights.sum(-1, keepdim=True)
-    out = (weights / torch.where(total == 0, torch.ones_like(total), total)) @ v
-    return out.to(dtype), (torch.log(total) + top).squeeze(-1)
+    if query.dim() == 4 and key.shape[1] != query.shape[1]:
+        # Grouped-query attention: the translation's MatMul wants one kv head per query head.
+        if query.shape[1] % key.shape[1]:
+            return NotImplemented
+        key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+        value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
+    _reentry.attention = True
+    try:
+        out, *rest = _aten._scaled_dot_product_flash_attention_for_cpu.default(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    finally:
+        _reentry.attention = False
+    dead = (attn_mask == float("-inf")).all(-1, keepdim=True)  # [..., L, 1]: broadcasts to out
+    return (out.masked_fill(dead, 0), *rest)
 
 
 def _round_to(x: float, dtype: torch.dtype) -> float:
@@ -1177,12 +1196,12 @@ def _reduced_float_comparison(op: Any) -> Callable[..., Any]:
         def rounded(x: Any) -> Any:
             if isinstance(x, torch.Tensor):
                 return x.to(dtype) if x.dtype != dtype else x
-            if isinstance(x, float):
-                return _round_to(x, dtype)
+            if isinstance(x, (float, int)) and not isinstance(x, bool):  # 257 is 256 in bfloat16
+                return _round_to(float(x), dtype)
             return x
 
         ra, rb = rounded(a), rounded(b)
-        if all(r is x or (isinstance(x, float) and r == x) for r, x in ((ra, a), (rb, b))):
+        if all(r is x or (isinstance(x, (float, int)) and r == x) for r, x in ((ra, a), (rb, b))):
             return NotImplemented  # already in the reduced type: the translation compares right
         return op(ra, rb)
 
@@ -1601,6 +1620,8 @@ def _lower_with_exporter(prepared: PreparedPiece, opset: int) -> onnx.ModelProto
             exported = torch.export.export(
                 prepared.gm, tuple(prepared.example), dynamic_shapes=tuple(prepared.dynamic_shapes), strict=False
             )
+            # Eager's arithmetic on this path too (the exporter's own decompositions follow).
+            exported = exported.run_decompositions(dict(TORCH_SEMANTICS))
             internals = torch_onnx_internals()
             if internals is not None:
                 # opset_version=None: the registry already targets the opset, so no version

@@ -581,6 +581,9 @@ EAGER_ARITHMETIC = {  # the first two: 1.0 // 0.1 is 9 in eager and Python (0.1 
     "int-floordiv": (lambda a: a // 3, _BIG),
     "int-remainder": (lambda a: a % -3, _BIG),
     "int-by-float-floor": (lambda a: torch.div(a, 2.5, rounding_mode="floor"), _BIG),
+    # float16: eager divides in float32 by the unrounded scalar (inf // 0.1 is nan).
+    "float16-floordiv": (lambda a: a // 0.1, torch.tensor([1.0, 5.0, 2.0, 7.0, float("inf"), -3.3], dtype=torch.float16)),
+    "bfloat16-div-floor": (lambda a: torch.div(a, 0.1, rounding_mode="floor").float(), _V.to(torch.bfloat16)),
 }
 
 
@@ -608,6 +611,8 @@ REDUCED_COMPARISONS = {
     "lt-0d-tensor-left": (lambda a, s: s < a, _H, torch.tensor(0.1)),
     "gt-past-float16": (lambda a: a > 70000.0, _H),  # 70000 rounds to float16's 70016
     "in-float32": (lambda a: a.float() >= 0.1, _H),  # no rounding: compared in float32, as eager
+    "eq-int-bf16": (lambda a: a == 257, torch.tensor([256.0, 258.0], dtype=torch.bfloat16)),  # 257 is 256 there
+    "eq-int-past-float16": (lambda a: a == 70000, torch.tensor([2048.0, float("inf")], dtype=torch.float16)),
 }
 
 
@@ -635,6 +640,48 @@ def test_attention_with_a_fully_masked_row_gives_zeros_as_eager(dtype, mask_kind
     assert not out.isnan().any()
     assert out[:, :, 0].abs().max() == 0
     torch.testing.assert_close(out, expected, **({"rtol": 2e-3, "atol": 2e-3} if dtype == torch.float16 else {}))
+
+
+def test_the_eager_arithmetic_holds_on_the_exporter_path_too():
+    # A tensor constant sends the piece to the exporter fallback; its decompositions get
+    # the same formulas first.
+    def fn(a):
+        return (a // 0.1) + (a % 0.1) * 100 + torch.tensor(0.0)
+
+    with compilation_counter.expect(num_backend_compilations=1, num_exporter_fallbacks=1, num_eager_fallbacks=0):
+        out = torch.compile(fn, backend="qaic", options={"fallback": "error"})(_V)
+    torch.testing.assert_close(out, fn(_V), rtol=0, atol=0)
+
+
+def test_an_integer_remainder_by_a_dynamic_size_is_lowered():
+    def fn(a):
+        return a % a.shape[0] + 1
+
+    compiled = torch.compile(fn, backend="qaic", options={"fallback": "error"})
+    with compilation_counter.expect(num_eager_fallbacks=0, num_exporter_fallbacks=0):
+        for n in (5, 7, 9):
+            x = torch.arange(n) * 7 - 20
+            assert torch.equal(compiled(x), fn(x))
+
+
+def test_masked_attention_over_a_growing_cache_stays_on_the_direct_path():
+    # Keys and values of dynamic lengths that only Dynamo's guards say are equal: the
+    # attention op stays whole, so tracing at example sizes never compares them.
+    def step(q, k_new, v_new, past_k, past_v, mask):
+        k, v = torch.cat([past_k, k_new], 2), torch.cat([past_v, v_new], 2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    g = torch.Generator().manual_seed(0)
+    compiled = torch.compile(step, backend="qaic", options={"fallback": "error"})
+    with compilation_counter.expect(num_eager_fallbacks=0, num_exporter_fallbacks=0):
+        for past in (4, 6, 8):
+            q, k, v = (torch.randn(2, 2, 1, 8, generator=g) for _ in range(3))
+            pk, pv = (torch.randn(2, 2, past, 8, generator=g) for _ in range(2))
+            mask = torch.ones(2, 1, 1, past + 1, dtype=torch.bool)
+            mask[1] = False  # the second sequence's query sees nothing: zeros, as eager
+            out = compiled(q, k, v, pk, pv, mask)
+            torch.testing.assert_close(out, step(q, k, v, pk, pv, mask))
+            assert out[1].abs().max() == 0
 
 
 SIZE_RELATIONS = {  # code that needs Dynamo's guards on the sizes (s <= 10; index rows <= source rows)
