@@ -1092,7 +1092,12 @@ def _any_floor_divide(a: Any, b: Any, dtype: torch.dtype) -> Any:
     if dtype in _FLOATS:
         return _float_floor_divide(*_operands(a, b, dtype))
     if dtype in _REDUCED:
-        return _float_floor_divide(*_operands(a, b, torch.float32)).to(dtype)
+        # Eager's kernel: tensors in the reduced type (an int64 2051 becomes 2052 in
+        # float16), the scalar unrounded, the arithmetic in float32.
+        def wide(x: Any) -> Any:
+            return x.to(dtype).float() if isinstance(x, torch.Tensor) else torch.scalar_tensor(x, dtype=torch.float32)
+
+        return _float_floor_divide(wide(a), wide(b)).to(dtype)
     return NotImplemented  # integers: onnxscript's translation is exact
 
 
@@ -1144,23 +1149,48 @@ def _masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     padding rows). The op itself stays (its translation, and its fake kernel, which does not
     compare the key's and value's lengths: dynamic pieces keep tracing at example sizes);
     only those rows are set. sdpa has made a bool mask a float one with -inf by now. The
-    logsumexp output is left as the translation gives it (sdpa drops it)."""
-    if attn_mask is None or getattr(_reentry, "attention", False):
+    logsumexp output is left as the translation gives it (sdpa drops it). Also: grouped
+    keys and values are repeated per query head, and bfloat16 runs in float32 (the
+    translation fails the checker or has no ONNX Runtime CPU kernel for either)."""
+    if getattr(_reentry, "attention", False):
         return NotImplemented
-    if query.dim() == 4 and key.shape[1] != query.shape[1]:
-        # Grouped-query attention: the translation's MatMul wants one kv head per query head.
+    grouped = query.dim() == 4 and key.shape[1] != query.shape[1]
+    wide = query.dtype == torch.bfloat16  # ONNX Runtime's CPU kernels lack bfloat16 Sqrt / MatMul
+    if attn_mask is None and not grouped and not wide:
+        return NotImplemented
+    if grouped:  # the translation's MatMul wants one kv head per query head
         if query.shape[1] % key.shape[1]:
             return NotImplemented
         key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
         value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
+    dtype = query.dtype
+    if wide:  # computed in float32 and rounded once, as the kernel accumulates in float
+        query, key, value = query.float(), key.float(), value.float()
+        attn_mask = attn_mask.float() if attn_mask is not None else None
     _reentry.attention = True
     try:
         out, *rest = _aten._scaled_dot_product_flash_attention_for_cpu.default(
             query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
     finally:
         _reentry.attention = False
-    dead = (attn_mask == float("-inf")).all(-1, keepdim=True)  # [..., L, 1]: broadcasts to out
-    return (out.masked_fill(dead, 0), *rest)
+    if attn_mask is not None:
+        dead = (attn_mask == float("-inf")).all(-1, keepdim=True)  # [..., L, 1]: broadcasts to out
+        out = out.masked_fill(dead, 0)
+    return (out.to(dtype), *rest)
+
+
+def _open_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+               dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
+               enable_gqa: bool = False) -> Any:
+    """sdpa as its CPU kernel runs it in inference: the flash op, a bool mask made a float
+    one, which :func:`_masked_attention` then gives eager's masked rows (the exporter path,
+    where torch.export keeps sdpa whole)."""
+    if dropout_p != 0.0 or query.dim() != 4:
+        return NotImplemented
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))
+    return _aten._scaled_dot_product_flash_attention_for_cpu.default(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
 
 def _round_to(x: float, dtype: torch.dtype) -> float:
@@ -1232,6 +1262,12 @@ class _DirectPathError(Exception):
     def __init__(self, op: str, reason: str) -> None:
         super().__init__(f"{op}: {reason}")
         self.op = op
+
+
+class _SizeBranchError(_DirectPathError):
+    """The trace took a branch on a dynamic size that Dynamo's guards do not fix. The
+    exporter would take one too, unchecked (its decompositions run after its own guards),
+    so such a piece runs eagerly rather than serve sizes the branch is wrong for."""
 
 
 def fake_inputs(example: Sequence[torch.Tensor], dynamic_shapes: Sequence[dict[int, Any] | None],
@@ -1328,9 +1364,9 @@ def aten_graph(
         if keep_symbols_apart and merged:
             raise _DirectPathError("(trace)", f"the trace related dynamic sizes {merged}")
         if guards_follow_from is not None:
-            unproven = _guards_not_implied(fakes, shape_env, guards_follow_from)
+            unproven = _guards_not_implied(fakes, shape_env, guards_follow_from, strict=keep_symbols_apart)
             if unproven:
-                raise _DirectPathError("(trace)", f"size guards {unproven} do not follow from Dynamo's")
+                raise _SizeBranchError("(trace)", f"size guards {unproven} do not follow from Dynamo's")
     _expand_sym_numel(gm)
     for node in gm.graph.nodes:
         node.meta.setdefault("nn_module_stack", {})  # the translator records it per node
@@ -1508,11 +1544,14 @@ def _unmemoize_op_signatures(original: Any) -> None:
 _memoized_op_signatures = ProcessWide(_memoize_op_signatures, _unmemoize_op_signatures).held
 
 
-def _guards_not_implied(fakes: Sequence[torch.Tensor], shape_env: Any, dynamo_sizes: Sequence[tuple[Any, ...]]) -> list[str]:
+def _guards_not_implied(fakes: Sequence[torch.Tensor], shape_env: Any, dynamo_sizes: Sequence[tuple[Any, ...]],
+                        strict: bool = True) -> list[str]:
     """The trace's size guards that Dynamo's guards on the same sizes do not imply (all of
-    them where that cannot be decided). Reads the ShapeEnv's ``guards``,
-    ``deferred_runtime_asserts``, ``get_axioms`` and ``_maybe_evaluate_static`` (private,
-    torch 2.13); if any is missing, nothing is taken as implied."""
+    them where that cannot be decided). ``strict=False`` leaves out guards on sizes Dynamo
+    does not know (the KV caches' and slot mapping's, which the runtime binds as it finds
+    them). Reads the ShapeEnv's ``guards``, ``deferred_runtime_asserts``, ``get_axioms``
+    and ``_maybe_evaluate_static`` (private, torch 2.13); if any is missing, nothing is
+    taken as implied."""
     mapping: dict[sympy.Symbol, sympy.Expr] = {}
     dynamo_env = None
     for fake, sizes in zip(fakes, dynamo_sizes):
@@ -1528,7 +1567,11 @@ def _guards_not_implied(fakes: Sequence[torch.Tensor], shape_env: Any, dynamo_si
         axioms = dynamo_env.get_axioms() if dynamo_env is not None else ()
         unproven = []
         for expr in exprs:
-            if dynamo_env is None or not expr.free_symbols <= mapping.keys():
+            if not expr.free_symbols <= mapping.keys():
+                if strict:
+                    unproven.append(str(expr))
+                continue
+            if dynamo_env is None:
                 unproven.append(str(expr))
                 continue
             theirs = expr.xreplace(mapping)
@@ -1560,7 +1603,10 @@ def _lower_direct(prepared: PreparedPiece, opset: int, seconds: dict[str, float]
     """Translate the piece's aten graph node by node through the exporter's registry."""
     t0 = time.perf_counter()
     try:
-        gm = aten_graph(prepared.gm, prepared.example, prepared.dynamic_shapes, opset)
+        # At the example sizes, a branch a decomposition takes on a size (a split's
+        # remainder at 17) must hold at every size Dynamo sends this graph.
+        gm = aten_graph(prepared.gm, prepared.example, prepared.dynamic_shapes, opset,
+                        guards_follow_from=prepared.dynamo_sizes)
     except LoweringError:
         raise
     except Exception as at_primes:
@@ -1569,6 +1615,8 @@ def _lower_direct(prepared: PreparedPiece, opset: int, seconds: dict[str, float]
         try:  # the sizes Dynamo saw satisfy its guards (see export_inputs)
             gm = aten_graph(prepared.gm, prepared.real_example, prepared.dynamic_shapes, opset, keep_symbols_apart=True,
                             guards_follow_from=prepared.dynamo_sizes)
+        except _SizeBranchError:
+            raise  # never hand such a piece to the exporter (see _SizeBranchError)
         except Exception:
             raise at_primes from None
     seconds["aten_trace"] = time.perf_counter() - t0
@@ -1620,8 +1668,10 @@ def _lower_with_exporter(prepared: PreparedPiece, opset: int) -> onnx.ModelProto
             exported = torch.export.export(
                 prepared.gm, tuple(prepared.example), dynamic_shapes=tuple(prepared.dynamic_shapes), strict=False
             )
-            # Eager's arithmetic on this path too (the exporter's own decompositions follow).
-            exported = exported.run_decompositions(dict(TORCH_SEMANTICS))
+            # Eager's arithmetic on this path too (the exporter's own decompositions follow);
+            # torch.export keeps sdpa whole, so it is opened to reach the CPU kernel's op.
+            exported = exported.run_decompositions(
+                {**TORCH_SEMANTICS, _aten.scaled_dot_product_attention.default: _open_sdpa})
             internals = torch_onnx_internals()
             if internals is not None:
                 # opset_version=None: the registry already targets the opset, so no version
@@ -1648,6 +1698,9 @@ def _export(prepared: PreparedPiece, opset: int, seconds: dict[str, float]) -> t
             return _lower_direct(prepared, opset, seconds), None
         except LoweringError:
             raise
+        except _SizeBranchError as e:
+            raise LoweringError(f"its lowering branches on a dynamic size ({e}); compiled, it would serve sizes "
+                                "the branch is wrong for") from e
         except _DirectPathError as e:
             reason = str(e)
         except Exception as e:  # the trace or a pass failed: the exporter may still manage

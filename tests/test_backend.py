@@ -584,6 +584,7 @@ EAGER_ARITHMETIC = {  # the first two: 1.0 // 0.1 is 9 in eager and Python (0.1 
     # float16: eager divides in float32 by the unrounded scalar (inf // 0.1 is nan).
     "float16-floordiv": (lambda a: a // 0.1, torch.tensor([1.0, 5.0, 2.0, 7.0, float("inf"), -3.3], dtype=torch.float16)),
     "bfloat16-div-floor": (lambda a: torch.div(a, 0.1, rounding_mode="floor").float(), _V.to(torch.bfloat16)),
+    "int-by-float16-tensor": (lambda a, b: a // b, torch.tensor([2051, 7, -9]), torch.full((3,), 2.0, dtype=torch.float16)),
 }
 
 
@@ -682,6 +683,63 @@ def test_masked_attention_over_a_growing_cache_stays_on_the_direct_path():
             out = compiled(q, k, v, pk, pv, mask)
             torch.testing.assert_close(out, step(q, k, v, pk, pv, mask))
             assert out[1].abs().max() == 0
+
+
+def test_a_decomposition_branching_on_a_dynamic_size_is_never_served_at_other_sizes():
+    # Traced at one size, a split's remainder (or a pooling window) is baked into the ONNX:
+    # tensor_split is kept only where Dynamo guards the same branch (it recompiles per
+    # remainder); adaptive pooling's branch is not Dynamo's, so that piece runs eagerly.
+    g = torch.Generator().manual_seed(0)
+    split = torch.compile(lambda a: torch.cat([t.sum(0, keepdim=True) for t in torch.tensor_split(a, 3)]),
+                          backend="qaic", options={"fallback": "error"})
+    with compilation_counter.expect(num_eager_fallbacks=0, num_exporter_fallbacks=0):
+        for n in (6, 7, 8, 9, 10, 12):
+            x = torch.randn(n, generator=g)
+            torch.testing.assert_close(split(x), torch.cat([t.sum(0, keepdim=True) for t in torch.tensor_split(x, 3)]))
+
+    def pool(a):
+        return F.adaptive_avg_pool1d(a.view(1, 1, -1), 4).flatten()
+
+    compiled = torch.compile(pool, backend="qaic")
+    with compilation_counter.expect(num_exporter_fallbacks=0), \
+            pytest.warns(RuntimeWarning, match="branches on a dynamic size"):
+        for n in (6, 7, 8, 9, 10, 12):
+            x = torch.randn(n, generator=g)
+            torch.testing.assert_close(compiled(x), pool(x))
+
+
+def test_attention_cases_the_translation_cannot_take_are_lowered():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, n, 16, generator=g) for n in (5, 7, 7))
+    mask = torch.zeros(2, 1, 5, 7).masked_fill(torch.rand(2, 1, 5, 7, generator=g) > 0.6, float("-inf"))
+    mask[0, 0, 2] = float("-inf")
+    cases = [  # bfloat16 (no ONNX Runtime CPU Sqrt / MatMul), grouped heads without a mask
+        (lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+         (q.bfloat16(), k.bfloat16(), v.bfloat16(), mask.bfloat16()), 0.05),
+        (lambda q, k, v: F.scaled_dot_product_attention(q, k, v), (q.bfloat16(), k.bfloat16(), v.bfloat16()), 0.05),
+        (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), (q, k[:, :2], v[:, :2]), 1e-5),
+    ]
+    for fn, args, tol in cases:
+        torch._dynamo.reset()
+        out, expected = lowered_and_eager(fn, *args)
+        torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_masked_attention_on_the_exporter_path_gives_eagers_zeros(mask_kind):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, n, 8, generator=g) for n in (5, 7, 7))
+    keep = torch.rand(2, 1, 5, 7, generator=g) > 0.5
+    keep[:, :, 0] = False
+    mask = keep if mask_kind == "bool" else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+
+    def fn(q, k, v, m):  # the tensor constant sends the piece to the exporter
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m) + torch.tensor(0.0)
+
+    with compilation_counter.expect(num_exporter_fallbacks=1, num_eager_fallbacks=0):
+        out = torch.compile(fn, backend="qaic", options={"fallback": "error"})(q, k, v, mask)
+    torch.testing.assert_close(out, fn(q, k, v, mask))
+    assert out[:, :, 0].abs().max() == 0
 
 
 SIZE_RELATIONS = {  # code that needs Dynamo's guards on the sizes (s <= 10; index rows <= source rows)
