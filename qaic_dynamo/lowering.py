@@ -1564,7 +1564,7 @@ def _guards_not_implied(fakes: Sequence[torch.Tensor], shape_env: Any, dynamo_si
         exprs += [r.expr for rs in shape_env.deferred_runtime_asserts.values() for r in rs]
         if not exprs:
             return []
-        axioms = dynamo_env.get_axioms() if dynamo_env is not None else ()
+        axioms = None  # Dynamo's guards as axioms, read only if a guard needs proving
         unproven = []
         for expr in exprs:
             if not expr.free_symbols <= mapping.keys():
@@ -1575,6 +1575,8 @@ def _guards_not_implied(fakes: Sequence[torch.Tensor], shape_env: Any, dynamo_si
                 unproven.append(str(expr))
                 continue
             theirs = expr.xreplace(mapping)
+            if axioms is None:
+                axioms = dynamo_env.get_axioms()
             if dynamo_env._maybe_evaluate_static(theirs, axioms=axioms) != sympy.true and not _holds_over_range(
                     theirs, dynamo_env.var_to_range):
                 unproven.append(str(expr))
