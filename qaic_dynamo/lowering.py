@@ -86,6 +86,7 @@ __all__ = [
     "export_inputs",
     "fake_values",
     "grad_mode_refusal",
+    "holds_over_range",
     "kv_updates_to_retained_state",
     "finish_model",
     "lower_piece",
@@ -95,6 +96,7 @@ __all__ = [
     "outputs_and_leaves",
     "prepare",
     "sizes_from_tensors",
+    "TORCH_SEMANTICS",
 ]
 
 logger = logging.getLogger("qaic_dynamo")
@@ -1577,7 +1579,7 @@ def _guards_not_implied(fakes: Sequence[torch.Tensor], shape_env: Any, dynamo_si
             theirs = expr.xreplace(mapping)
             if axioms is None:
                 axioms = dynamo_env.get_axioms()
-            if dynamo_env._maybe_evaluate_static(theirs, axioms=axioms) != sympy.true and not _holds_over_range(
+            if dynamo_env._maybe_evaluate_static(theirs, axioms=axioms) != sympy.true and not holds_over_range(
                     theirs, dynamo_env.var_to_range):
                 unproven.append(str(expr))
         return unproven
@@ -1585,7 +1587,7 @@ def _guards_not_implied(fakes: Sequence[torch.Tensor], shape_env: Any, dynamo_si
         return [f"(cannot check: {type(e).__name__})"]
 
 
-def _holds_over_range(expr: sympy.Basic, ranges: Mapping[sympy.Symbol, Any], limit: int = 4096) -> bool:
+def holds_over_range(expr: sympy.Basic, ranges: Mapping[sympy.Symbol, Any], limit: int = 4096) -> bool:
     """Whether a guard on one size holds at every value of that size's (finite, small)
     range: sympy does not simplify ``Eq(s, Min(10, s))`` under ``s <= 10``."""
     if len(expr.free_symbols) != 1:

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._dynamo.exc import BackendCompilerFailed
 from expecttest import TestCase
 
 import qaic_dynamo
@@ -427,7 +428,7 @@ def test_a_piece_with_another_librarys_op_is_cached_in_memory_only(tmp_path):
 
 def test_fallback_error_raises():
     model, x = WithOpaqueOp().eval(), torch.randn(4, 16)
-    with pytest.raises(Exception, match="the ONNX exporter failed.*options=\\{'fallback': 'eager'\\}"):
+    with pytest.raises(BackendCompilerFailed, match="the ONNX exporter failed.*options=\\{'fallback': 'eager'\\}"):
         torch.compile(model, backend="qaic", options={"fallback": "error"})(x)
 
 
@@ -517,7 +518,7 @@ def test_a_piece_that_writes_its_inputs_runs_eagerly_and_keeps_the_writes():
     torch.testing.assert_close(out, ref(x_ref))
     torch.testing.assert_close(x, x_ref)  # the input's write happened
     torch.testing.assert_close(model.steps, ref.steps)  # so did the buffer's (1, not 0)
-    with pytest.raises(Exception, match="writes in place into piece input.*return the new value"):
+    with pytest.raises(BackendCompilerFailed, match="writes in place into piece input.*return the new value"):
         torch.compile(WritesItsBuffer(), backend="qaic", options={"fallback": "error"})(torch.randn(4, 8))
 
 

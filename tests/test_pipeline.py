@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.exc import BackendCompilerFailed
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
@@ -230,7 +231,8 @@ def test_fallback_error_after_an_eager_fallback_still_raises():
         torch.compile(model, backend="qaic")(x)
     assert last_compile_report().pieces[0].source is Source.FAILED
     torch._dynamo.reset()  # the failure stays remembered in the artifact cache
-    with pytest.raises(Exception, match="remembered from an identical piece compiled earlier") as e, torch.no_grad():
+    with pytest.raises(BackendCompilerFailed, match="remembered from an identical piece compiled earlier") as e, \
+            torch.no_grad():
         torch.compile(model, backend="qaic", options={"fallback": "error"})(x)
     assert "qaic_test.opaque_tanh" in str(e.value)
 
@@ -902,11 +904,11 @@ def test_a_size_guard_holds_over_a_range_only_if_it_holds_at_every_size():
     from torch.utils._sympy.numbers import int_oo
     from torch.utils._sympy.value_ranges import ValueRanges
 
-    from qaic_dynamo.lowering import _holds_over_range
+    from qaic_dynamo.lowering import holds_over_range
 
     s = sympy.Symbol("s", integer=True, positive=True)
     clamp = sympy.Eq(s, sympy.Min(10, s))
-    assert _holds_over_range(clamp, {s: ValueRanges(2, 10)})
-    assert not _holds_over_range(clamp, {s: ValueRanges(2, 11)})
-    assert not _holds_over_range(s >= 2, {s: ValueRanges(2, int_oo)})
-    assert not _holds_over_range(clamp, {})
+    assert holds_over_range(clamp, {s: ValueRanges(2, 10)})
+    assert not holds_over_range(clamp, {s: ValueRanges(2, 11)})
+    assert not holds_over_range(s >= 2, {s: ValueRanges(2, int_oo)})
+    assert not holds_over_range(clamp, {})
