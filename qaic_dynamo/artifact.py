@@ -43,6 +43,7 @@ __all__ = [
     "dtype_name",
     "evaluate_symbol_expression",
     "load",
+    "parse_size_assumption",
     "session_options",
     "shape_function",
 ]
@@ -51,7 +52,7 @@ ONNX_FILE = "model.onnx"
 LAYOUT_FILE = "layout.json"
 #: Bumped whenever PieceLayout or the meaning of a field changes; an artifact of another
 #: format is recompiled, never misread.
-LAYOUT_FORMAT = 2
+LAYOUT_FORMAT = 3
 
 #: torch dtype -> ONNX TensorProto element type: the dtypes an artifact's inputs and
 #: outputs may have (as IOBinding takes them; an integer type also covers bfloat16, which
@@ -95,6 +96,10 @@ class PieceLayout:
         "cache_dims"}``.
     ``has_model``: False for a piece with no compute (its leaves are inputs, constants
         and sizes only): there is no ``model.onnx`` and no session.
+    ``size_assumptions``: size guards the lowering's trace took (a branch a decomposition
+        took on a dynamic size) that held because of the guards of the compile it was
+        lowered in, as relations in the canonical symbols; a reuse by another compile
+        must imply them too (``lowering.unmet_size_assumptions``).
     """
 
     inputs: list[dict[str, Any]]
@@ -105,6 +110,7 @@ class PieceLayout:
     kv_updates: list[dict[str, Any]]
     num_args: int
     has_model: bool = True
+    size_assumptions: list[str] = field(default_factory=list)
     export_seconds: float = 0.0
     stats: dict[str, Any] = field(default_factory=dict)
     format: int = LAYOUT_FORMAT
@@ -131,26 +137,37 @@ class PieceLayout:
         unknown, missing = sorted(set(data) - names), sorted(required - set(data))
         if unknown or missing:
             raise ArtifactError(f"{LAYOUT_FILE} does not match format {LAYOUT_FORMAT}: unknown keys {unknown}, missing {missing}")
+        assumptions = data.get("size_assumptions", [])
+        if not isinstance(assumptions, list) or not all(isinstance(a, str) for a in assumptions):
+            raise ArtifactError(f"{LAYOUT_FILE}: size_assumptions must be a list of strings, got {assumptions!r}")
+        for text in assumptions:
+            check_size_expression(text, _CANONICAL_SYMBOL.findall(text), "a size assumption", relation=True)
         return cls(**data)
 
 
 _EXPRESSION_TOKEN = re.compile(r"\s*(?:(?P<name>[A-Za-z_]\w*)|\d+(?:\.\d+)?|\*\*|[-+*/%(),])")
+# A relation adds comparisons and logic (sympy prints ``S0 <= 10``, ``Eq(Mod(S0, 4), 0)``).
+_RELATION_TOKEN = re.compile(r"\s*(?:(?P<name>[A-Za-z_]\w*)|\d+(?:\.\d+)?|\*\*|[<>]=?|[-+*/%(),&|~])")
 # Names sympy prints in size expressions besides torch's own sympy functions.
 _SYMPY_NAMES = frozenset({"Max", "Min", "floor", "ceiling", "Mod", "Abs", "Integer", "Rational"})
+_RELATION_NAMES = frozenset({"Eq", "Ne", "Lt", "Le", "Gt", "Ge", "And", "Or", "Not", "True", "False"})
+_CANONICAL_SYMBOL = re.compile(r"\bS\d+\b")
 # Of torch's sympy module only its sympy classes (FloorDiv, CeilDiv, ...), not the modules
 # and helpers it imports.
 _SYMPY_FUNCTION_NAMES = frozenset(name for name, v in _SYMPY_LOCALS.items()
                                   if isinstance(v, type) and issubclass(v, sympy.Basic))
 
 
-def check_size_expression(text: str, symbols: Iterable[str], where: str) -> None:
+def check_size_expression(text: str, symbols: Iterable[str], where: str, relation: bool = False) -> None:
     """Refuse a size expression that is not arithmetic over ``symbols`` and sympy's size
-    functions. sympy parses with ``eval``, so layout.json must never reach it unchecked:
-    a cache directory someone else can write would otherwise run their code."""
-    allowed = set(symbols) | _SYMPY_NAMES | _SYMPY_FUNCTION_NAMES
+    functions (``relation``: or comparisons and logic over such). sympy parses with
+    ``eval``, so layout.json must never reach it unchecked: a cache directory someone else
+    can write would otherwise run their code."""
+    allowed = set(symbols) | _SYMPY_NAMES | _SYMPY_FUNCTION_NAMES | (_RELATION_NAMES if relation else frozenset())
+    token = _RELATION_TOKEN if relation else _EXPRESSION_TOKEN
     pos = 0
     while pos < len(text.rstrip()):
-        m = _EXPRESSION_TOKEN.match(text, pos)
+        m = token.match(text, pos)
         if m is None or m.end() == pos or (m["name"] is not None and m["name"] not in allowed):
             bad = m["name"] if m is not None and m["name"] else text[pos:pos + 12]
             raise ArtifactError(f"{LAYOUT_FILE}: {where} {text!r} is not a size expression (at {bad!r})")
@@ -184,6 +201,15 @@ def evaluate_symbol_expression(expr: str, values: dict[str, int]) -> int:
     # a different symbol from Symbol('S0', integer=True) and would never be replaced).
     symbols = {k: sympy.Symbol(k, integer=True) for k in values}
     return int(sympy.sympify(expr, locals={**_SYMPY_LOCALS, **symbols}).xreplace({symbols[k]: v for k, v in values.items()}))
+
+
+def parse_size_assumption(text: str) -> sympy.Basic:
+    """A ``size_assumptions`` entry as a sympy relation over integer symbols S0, S1, ...
+    (checked first, as :meth:`PieceLayout.from_json` checks every entry it reads)."""
+    names = _CANONICAL_SYMBOL.findall(text)
+    check_size_expression(text, names, "a size assumption", relation=True)
+    symbols = {n: sympy.Symbol(n, integer=True) for n in names}
+    return sympy.sympify(text, locals={**_SYMPY_LOCALS, **symbols})
 
 
 @dataclass

@@ -22,10 +22,12 @@ failed), the seconds it took and any fallback reason; the same table is logged t
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import logging
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -42,7 +44,7 @@ from qaic_dynamo.cache import DiskCache, Source, artifact_cache
 from qaic_dynamo.config import CompilationConfig, ConfigError, qaic_compiler_path
 from qaic_dynamo.counter import compilation_counter
 from qaic_dynamo.fingerprint import fingerprint
-from qaic_dynamo.lowering import LoweringError, ProcessWide, grad_mode_refusal, lower_piece
+from qaic_dynamo.lowering import LoweringError, ProcessWide, grad_mode_refusal, lower_piece, unmet_size_assumptions
 from qaic_dynamo.partition import Piece, PieceKind, SplitReason, split_graph
 from qaic_dynamo.runtime import PieceRunner, qaic_compile, qaic_sdk_available, warn_fallback
 
@@ -288,6 +290,7 @@ class QaicBackend:
 
         t0 = time.perf_counter()
         pieces = split.pieces
+        graph_nonce = uuid.uuid4().hex  # what keeps unkeyed pieces' reuse inside this graph
         if self.config.progress:
             from tqdm import tqdm
 
@@ -300,7 +303,7 @@ class QaicBackend:
             compilation_counter.bump(num_piecewise_compilable_graphs_seen=1)
             with torch.set_grad_enabled(grad_mode):  # lowering runs a piece's switches: none leaks to the next
                 report.pieces.append(self._compile_piece(piece, piece_args[piece.name], fake_mode, split.graph_module,
-                                                         grad_mode))
+                                                         grad_mode, graph_nonce))
         compilable = [p for p in report.pieces if p.source is not None]
         report.seconds["fingerprint"] = sum(p.fingerprint_seconds for p in compilable)
         report.seconds["lower+load"] = sum(p.compile_seconds + p.load_seconds for p in compilable)
@@ -318,8 +321,13 @@ class QaicBackend:
         return split.graph_module.forward
 
     def _compile_piece(self, piece: Piece, args: tuple, fake_mode: Any, split_gm: fx.GraphModule,
-                       grad_mode: bool) -> PieceReport:
-        """Key the piece, get its artifact from the cache stage, and put a runner in its place."""
+                       grad_mode: bool, graph_nonce: str) -> PieceReport:
+        """Key the piece, get its artifact from the cache stage, and put a runner in its place.
+
+        A piece calling code the key cannot cover (another library's op, whose kernel may
+        read state; a user function, whose defaults, globals and callees are not hashed) is
+        reused only inside this graph, where every call site calls the same objects: it
+        is kept off the disk, and its memory key includes ``graph_nonce``."""
         t0 = time.perf_counter()
         fp = fingerprint(piece.graph_module, args, self.config_hash)
         entry = PieceReport(piece.index, piece.name, piece.kind, piece.reason, piece.detail, key=fp.prefix,
@@ -339,12 +347,16 @@ class QaicBackend:
             if self.config.runtime == "qaic":
                 qaic_compile(out_dir, out_dir / "qpc")
 
+        key = fp.key
         if fp.unkeyed_ops:
-            logger.info("%s: not cached on disk: the kernels of %s are not in its key", label, ", ".join(fp.unkeyed_ops))
+            logger.info("%s: reused only within this graph: the kernels of %s are not in its key", label,
+                        ", ".join(fp.unkeyed_ops))
+            key = hashlib.sha256(f"{fp.key}|graph:{graph_nonce}".encode()).hexdigest()
         result = artifact_cache.get_or_compile(
-            fp.key, compile_into, disk=None if fp.unkeyed_ops else self.disk, num_threads=self.num_threads,
-            describe=fp.inputs,
+            key, compile_into, disk=None if fp.unkeyed_ops else self.disk, num_threads=self.num_threads,
+            describe=fp.inputs, unmet=lambda artifact: unmet_size_assumptions(artifact.layout.size_assumptions, args),
         )
+        entry.key = result.key[:len(fp.prefix)]
         entry.source = result.source
         entry.compile_seconds, entry.load_seconds = result.compile_seconds, result.load_seconds
         if result.source is Source.MEMORY:

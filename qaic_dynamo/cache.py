@@ -72,6 +72,9 @@ FORMAT = "v1"
 META = "meta.json"
 #: temporary entries older than this are debris of a killed process
 STALE_TMP_SECONDS = 3600
+#: How many artifacts of one piece, lowered under different size guards, a call site
+#: tries before it runs eagerly (each compile whose guards differ can add one).
+MAX_ASSUMPTION_CHAIN = 8
 
 
 class Source(enum.StrEnum):
@@ -101,6 +104,9 @@ class CacheResult:
     #: Lowering (export, checks, qaic-compile) and session creation, in this call.
     compile_seconds: float = 0.0
     load_seconds: float = 0.0
+    #: The key the artifact is stored under: the one asked for, or a later key of its
+    #: chain when an artifact's size assumptions did not hold (see ``get_or_compile``).
+    key: str = ""
 
 
 class CompileCache:
@@ -113,6 +119,14 @@ class CompileCache:
     the disk cache is then trimmed to its size limit. Failures are remembered per key, so
     32 identical failing pieces try the exporter once; whether a failure is an error or
     an eager fallback is the caller's policy, not the cache's.
+
+    A key names a piece's structure, not the size guards of the compile it came from, and
+    an artifact whose lowering branched on a dynamic size is right only under guards that
+    imply that branch (``PieceLayout.size_assumptions``). The caller says which of an
+    artifact's assumptions its call site breaks (``unmet``); such an artifact is passed
+    over for the next key of its chain - the key and those assumptions hashed - where an
+    artifact lowered under guards like the caller's is found or compiled. Inductor's FX
+    graph cache does the same with the guards it stores beside each graph.
     """
 
     def __init__(self) -> None:
@@ -130,13 +144,42 @@ class CompileCache:
         disk: DiskCache | None,
         num_threads: int,
         describe: dict[str, Any] | None = None,
+        unmet: Callable[[Artifact], list[str]] | None = None,
     ) -> CacheResult:
         """The artifact for ``key``.
 
         ``compile_into(dir)`` writes a new artifact into ``dir``; it raises LoweringError
         (or the runtime's QaicCompileError) when the piece cannot be compiled.
         ``describe`` (the fingerprint's inputs) is written beside the artifact.
+        ``unmet(artifact)``: the artifact's size assumptions the caller's call site does
+        not imply; an artifact with any is passed over for the next key of its chain.
         """
+        chain: list[str] = []
+        for _ in range(MAX_ASSUMPTION_CHAIN):
+            if chain:
+                describe = {**(describe or {}), "assumption_chain": list(chain)}
+            result = self._get_or_compile_key(key, compile_into, disk=disk, num_threads=num_threads, describe=describe)
+            result.key = key
+            broken = unmet(result.artifact) if result.artifact is not None and unmet is not None else []
+            if not broken:
+                return result
+            logger.info("qaic: artifact %s assumes %s, which this call site's guards do not imply; looking further",
+                        key[:12], broken)
+            chain.append(key)
+            key = hashlib.sha256(json.dumps([key, result.artifact.layout.size_assumptions]).encode()).hexdigest()
+        failure = (f"{MAX_ASSUMPTION_CHAIN} artifacts of this piece each assume sizes this call site's guards do not "
+                   f"imply (keys {[k[:12] for k in chain]})")
+        return CacheResult(Source.FAILED, failure=failure, key=key)
+
+    def _get_or_compile_key(
+        self,
+        key: str,
+        compile_into: Callable[[Path], None],
+        *,
+        disk: DiskCache | None,
+        num_threads: int,
+        describe: dict[str, Any] | None,
+    ) -> CacheResult:
         with self._lock:
             artifact = self._sessions.get((key, num_threads))
             known = self._paths.get(key)

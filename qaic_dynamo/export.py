@@ -194,6 +194,11 @@ class ExportOptions:
             raise ExportError(f"kv_precision must be one of {KV_PRECISIONS}, got {self.kv_precision!r}")
         if not isinstance(self.layerwise, bool):
             raise ExportError(f"layerwise must be a bool, got {self.layerwise!r}")
+        from qaic_dynamo.runtime import extra_flag_clashes
+
+        clashes = extra_flag_clashes(dict(self.compiler_options))
+        if clashes:
+            raise ExportError(f"{clashes}; pass num_cores= for the cores, and leave the others to the export")
         from qaic_dynamo.config import OPSETS
 
         if isinstance(self.opset, bool) or type(self.opset) is not int or self.opset not in OPSETS:
@@ -473,8 +478,14 @@ def _trace(model: nn.Module, layer_names: list[str], past_shapes: list[tuple[tup
     example = [ex_ids, ex_pos, *ex_past, *[buffers[n].detach() for n in retained], *weights.values()]
     dynamic = [{0: "batch_size", 1: "seq_len"}] * 2 + [{0: "batch_size", 2: "ctx_len"}] * len(ex_past) + \
         [None] * (len(retained) + len(weights))
-    with torch.no_grad(), torch.fx.traceback.preserve_node_meta():
-        gm = aten_graph(forward, example, dynamic, opset)
+    try:
+        with torch.no_grad(), torch.fx.traceback.preserve_node_meta():
+            gm = aten_graph(forward, example, dynamic, opset)
+    except ExportError:
+        raise
+    except Exception as e:  # torch's own trace errors name its internals, not the model's problem
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ExportError(f"the model could not be traced for export: {type(e).__name__}: {first}") from e
     inputs = [("input", "input_ids"), ("input", "position_ids")] + [("past", i, j) for i, j in past_spec] + \
         [("retained", n) for n in retained] + [("weight", n) for n in weight_names]
     return _Trace(gm, inputs, dict(wrapper.stems), len(past_shapes), list(retained))
@@ -1060,7 +1071,7 @@ def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int =
     opts = ExportOptions.from_options(batch_size=batch_size, prefill_seq_len=prefill_seq_len, ctx_len=ctx_len,
                                       kv_cache_prefix=kv_cache_prefix, layerwise=layerwise, **options)
     say = progress or (lambda stage, done, total: None)
-    from qaic_dynamo.models import max_positions
+    from qaic_dynamo.models import batch_dependent_rope, max_positions
 
     t_start = time.perf_counter()
     engine_model = _engine_model(model)
@@ -1068,6 +1079,14 @@ def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int =
     if positions is not None and opts.ctx_len > positions:  # as LLM's max_model_len
         raise ExportError(f"ctx_len={opts.ctx_len} exceeds the model's max_position_embeddings={positions}; "
                           f"pass ctx_len <= {positions}")
+    rope = batch_dependent_rope(engine_model)
+    if rope is not None:
+        # transformers picks these frequencies in Python from the longest position in the
+        # forward (and longrope's from a tensor attribute it swaps): a traced graph would
+        # keep one choice for every sequence.
+        raise ExportError(f"the model's rope_type {rope[0]!r} chooses its RoPE frequencies from the sequence length "
+                          "at run time, which an exported graph cannot; export a model with a fixed rope_type "
+                          "(default, linear, llama3, yarn), or serve this one with LLM(...)")
     layer_names = list(engine_model.kv_cache_layers)
     shapes = engine_model.kv_cache_shapes(opts.batch_size, opts.ctx_len)
     past_shapes = [shapes[n] for n in layer_names]
@@ -1205,6 +1224,12 @@ def ort_generate(onnx_path: str | os.PathLike, prompts: Sequence[Sequence[int]],
     import numpy as np
     import onnxruntime as ort
 
+    for name, value in (("max_new_tokens", max_new_tokens), ("prefill_seq_len", prefill_seq_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ExportError(f"ort_generate: {name} must be a positive int, got {value!r}")
+    prompts = [list(p) for p in prompts]
+    if not prompts or any(not p for p in prompts):
+        raise ExportError("ort_generate: pass at least one prompt, each with at least one token id")
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     if num_threads:
@@ -1228,6 +1253,13 @@ def ort_generate(onnx_path: str | os.PathLike, prompts: Sequence[Sequence[int]],
         raise ExportError(f"ort_generate cannot make KV caches of {unknown}; ONNX Runtime's CPU kernels take "
                           "float32 or float16 models (export a bfloat16 model in float16 to run it here)")
     outputs = [o.name for o in sess.get_outputs()]
+    vocab = sess.get_outputs()[0].shape[-1]
+    for i, prompt in enumerate(prompts):
+        # ONNX Gather reads a negative id from the end of the table: refuse it, as LLM does.
+        bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or isinstance(t, bool)
+               or not 0 <= t < (vocab if isinstance(vocab, int) else t + 1)]
+        if bad:
+            raise ExportError(f"ort_generate: prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:8]}")
 
     def empty(batch: int, ctx: int) -> dict[str, Any]:
         # Each cache in its input's element type: a float16 export takes float16 caches.

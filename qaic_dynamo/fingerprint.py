@@ -23,11 +23,15 @@ is keyed by its own nodes, as the piece is; any other module by its class, repr 
 Not in the key: node and placeholder names, the layer's position, and parameter values
 (parameters are inputs; their metadata is in the key, their values are not).
 
-A call to a Python function that is not part of torch is keyed by its qualified name and
-a hash of its bytecode and constants, so editing the function changes the key. An op of
-another library (``torch.ops.mylib.scale``) is keyed by its name: its kernel is not
-reachable to hash, nor are the functions a user function calls, so a piece with either is
-cached in memory only (``Fingerprint.unkeyed_ops``).
+A call to a Python function that is not part of torch is keyed by its qualified name, a
+hash of its bytecode and constants, and the function object itself. An op of another
+library (``torch.ops.mylib.scale``) is keyed by its name: its kernel is not reachable to
+hash, nor are the functions a user function calls, their defaults or the globals they
+read, so a piece with either (``Fingerprint.unkeyed_ops``) is reused only within the graph
+it was compiled for, never from disk (the backend adds that graph to its key).
+
+Not in the key either: the size guards of the compile. An artifact whose lowering relied
+on them records them (``PieceLayout.size_assumptions``) and every reuse checks them.
 """
 
 from __future__ import annotations
@@ -166,7 +170,7 @@ class CanonicalNames:
         if a is Ellipsis:
             return {"ellipsis": True}
         if callable(a):
-            return {"callable": _callable_name(a)}
+            return {"callable": _callable_key(a)}
         return {"repr": f"{type(a).__module__}.{type(a).__qualname__}:{a!r}"}
 
 
@@ -206,6 +210,16 @@ def _callable_name(fn: Any) -> str:
     return ident
 
 
+def _callable_key(fn: Any) -> str:
+    """A callable as the key has it: its name, and for a user function also the object
+    itself. Two functions of the same code may differ in what the hash cannot see (their
+    defaults, a closure variable whose repr hides its state, a bound method's ``self``);
+    a piece calling one is reused only within its graph (see the backend), where the
+    object tells them apart."""
+    name = _callable_name(fn)
+    return f"{name}@{id(fn):x}" if _is_user_function(fn) else name
+
+
 def canonical_names(example_args: Sequence[Any]) -> CanonicalNames:
     """The canonical names of a piece's symbols, exactly as its fingerprint assigns them
     (from its inputs, in order)."""
@@ -229,7 +243,7 @@ def _target(node: fx.Node, gm: fx.GraphModule, canon: CanonicalNames) -> Any:
     if node.op == "call_function":
         if node.target is operator.getitem:
             return "getitem"
-        return _callable_name(node.target)
+        return _callable_key(node.target)
     if node.op == "call_method":
         return f"method:{node.target}"
     if node.op == "get_attr":

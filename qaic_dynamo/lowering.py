@@ -87,6 +87,7 @@ __all__ = [
     "fake_values",
     "grad_mode_refusal",
     "holds_over_range",
+    "unmet_size_assumptions",
     "kv_updates_to_retained_state",
     "finish_model",
     "lower_piece",
@@ -141,6 +142,9 @@ class PreparedPiece:
     #: The sizes Dynamo gave the piece's tensor inputs (SymInts), in ``example``'s order:
     #: what the second try's size guards must follow from.
     dynamo_sizes: list[tuple[Any, ...]] = field(default_factory=list)
+    #: Set by the direct lowering: the trace's size guards, which Dynamo's guards of this
+    #: compile imply (in Dynamo's symbols); the layout records them for every reuse.
+    size_assumptions: list[sympy.Basic] = field(default_factory=list)
 
 
 @dataclass
@@ -578,6 +582,8 @@ def lower_piece(
             "lowered_with": "direct" if fallback is None else "exporter",
             "exporter_fallback": fallback,
         }
+        canon = canonical_names(example_args)  # the fingerprint's names, which every reuse maps back
+        layout.size_assumptions = sorted({canon.expr(e) for e in prepared.size_assumptions})
         compilation_counter.bump(num_onnx_exports=1, num_exporter_fallbacks=int(fallback is not None))
         t0 = time.perf_counter()
         onnx.save(model, str(out_dir / ONNX_FILE))
@@ -1366,9 +1372,12 @@ def aten_graph(
         if keep_symbols_apart and merged:
             raise _DirectPathError("(trace)", f"the trace related dynamic sizes {merged}")
         if guards_follow_from is not None:
-            unproven = _guards_not_implied(fakes, shape_env, guards_follow_from, strict=keep_symbols_apart)
+            implied: list[sympy.Basic] = []
+            unproven = _guards_not_implied(fakes, shape_env, guards_follow_from, strict=keep_symbols_apart,
+                                           implied=implied)
             if unproven:
                 raise _SizeBranchError("(trace)", f"size guards {unproven} do not follow from Dynamo's")
+            gm.meta["size_assumptions"] = implied
     _expand_sym_numel(gm)
     for node in gm.graph.nodes:
         node.meta.setdefault("nn_module_stack", {})  # the translator records it per node
@@ -1547,13 +1556,14 @@ _memoized_op_signatures = ProcessWide(_memoize_op_signatures, _unmemoize_op_sign
 
 
 def _guards_not_implied(fakes: Sequence[torch.Tensor], shape_env: Any, dynamo_sizes: Sequence[tuple[Any, ...]],
-                        strict: bool = True) -> list[str]:
+                        strict: bool = True, implied: list[sympy.Basic] | None = None) -> list[str]:
     """The trace's size guards that Dynamo's guards on the same sizes do not imply (all of
     them where that cannot be decided). ``strict=False`` leaves out guards on sizes Dynamo
     does not know (the KV caches' and slot mapping's, which the runtime binds as it finds
-    them). Reads the ShapeEnv's ``guards``, ``deferred_runtime_asserts``, ``get_axioms``
-    and ``_maybe_evaluate_static`` (private, torch 2.13); if any is missing, nothing is
-    taken as implied."""
+    them). ``implied`` receives the guards that are implied, in Dynamo's symbols: what the
+    artifact assumes (see :func:`unmet_size_assumptions`). Reads the ShapeEnv's
+    ``guards``, ``deferred_runtime_asserts``, ``get_axioms`` and ``_maybe_evaluate_static``
+    (private, torch 2.13); if any is missing, nothing is taken as implied."""
     mapping: dict[sympy.Symbol, sympy.Expr] = {}
     dynamo_env = None
     for fake, sizes in zip(fakes, dynamo_sizes):
@@ -1579,12 +1589,57 @@ def _guards_not_implied(fakes: Sequence[torch.Tensor], shape_env: Any, dynamo_si
             theirs = expr.xreplace(mapping)
             if axioms is None:
                 axioms = dynamo_env.get_axioms()
-            if dynamo_env._maybe_evaluate_static(theirs, axioms=axioms) != sympy.true and not holds_over_range(
-                    theirs, dynamo_env.var_to_range):
+            if not _implied(theirs, dynamo_env, axioms):
                 unproven.append(str(expr))
+            elif implied is not None:
+                implied.append(theirs)
         return unproven
     except Exception as e:  # a private API moved: prove nothing
         return [f"(cannot check: {type(e).__name__})"]
+
+
+def _implied(expr: sympy.Basic, shape_env: Any, axioms: Any) -> bool:
+    """Whether ``expr`` (in ``shape_env``'s symbols) follows from that env's guards."""
+    if expr is sympy.true or expr is True:
+        return True
+    return shape_env._maybe_evaluate_static(expr, axioms=axioms) == sympy.true or holds_over_range(
+        expr, shape_env.var_to_range)
+
+
+def unmet_size_assumptions(assumptions: Sequence[str], example_args: Sequence[Any]) -> list[str]:
+    """The size assumptions of an artifact that Dynamo's guards of this call site do not imply.
+
+    An artifact whose lowering branched on a dynamic size (a decomposition's split at a
+    remainder, adaptive pooling's windows) is correct only where the guards of the compile
+    it was lowered in hold; its layout lists them (``PieceLayout.size_assumptions``, in the
+    fingerprint's canonical symbols), and the key does not: the same graph under weaker
+    guards has the same key. So every reuse checks them against the reusing compile's
+    guards, with the proof the lowering used. Anything undecidable counts as unmet."""
+    if not assumptions:
+        return []
+    from qaic_dynamo.artifact import parse_size_assumption
+
+    canon = canonical_names(example_args)
+    symbol_of = {str(c): s for s, c in canon.symbols.items()}  # canonical name -> this compile's symbol
+    shape_env = next((x.node.shape_env for a in example_args
+                      for x in ((*a.shape, *a.stride()) if isinstance(a, torch.Tensor) else (a,))
+                      if isinstance(x, torch.SymInt)), None)
+    unmet = []
+    axioms = None
+    for text in assumptions:
+        try:
+            expr = parse_size_assumption(text)
+            if not {str(s) for s in expr.free_symbols} <= symbol_of.keys() or shape_env is None:
+                unmet.append(text)
+                continue
+            theirs = expr.xreplace({s: symbol_of[str(s)] for s in expr.free_symbols})
+            if axioms is None:
+                axioms = shape_env.get_axioms()
+            if not _implied(theirs, shape_env, axioms):
+                unmet.append(text)
+        except Exception:  # a private API moved, or an expression sympy cannot decide
+            unmet.append(text)
+    return unmet
 
 
 def holds_over_range(expr: sympy.Basic, ranges: Mapping[sympy.Symbol, Any], limit: int = 4096) -> bool:
@@ -1624,6 +1679,7 @@ def _lower_direct(prepared: PreparedPiece, opset: int, seconds: dict[str, float]
         except Exception:
             raise at_primes from None
     seconds["aten_trace"] = time.perf_counter() - t0
+    prepared.size_assumptions = list(gm.meta.get("size_assumptions", ()))
     return translate_aten(gm, prepared.input_names, prepared.output_names, opset)
 
 

@@ -51,6 +51,8 @@ __all__ = [
     "PieceRunner",
     "QaicCompileError",
     "qaic_compile",
+    "QAIC_COMPILE_OWN_FLAGS",
+    "extra_flag_clashes",
     "qaic_compile_command",
     "qaic_sdk_available",
     "release_openmp_workers",
@@ -451,6 +453,26 @@ class PieceRunner(torch.nn.Module):
         return tuple(leaves) if self._flat_tuple else pytree.tree_unflatten(leaves, self._spec)
 
 
+#: The qaic-compile flags :func:`qaic_compile_command` sets itself, and the argument of
+#: its own that sets each (None: always set as shown).
+QAIC_COMPILE_OWN_FLAGS: dict[str, str | None] = {
+    "-aic-hw": None, "-aic-hw-version": None, "-m": None, "-retained-state": None, "-convert-to-fp16": None,
+    "-aic-num-cores": "num_cores", "-custom-IO-list-file": "custom_io", "-network-specialization-config":
+    "specializations", "-aic-binary-dir": "out_dir",
+}
+
+
+def extra_flag_clashes(extra: dict[str, Any]) -> str | None:
+    """Why ``extra`` options cannot go on the command (they repeat its own flags), or None."""
+    own = {flag.lower(): (flag, arg) for flag, arg in QAIC_COMPILE_OWN_FLAGS.items()}
+    clashes = [own[("-" + str(k).replace("_", "-")).lower()] for k in extra
+               if ("-" + str(k).replace("_", "-")).lower() in own]
+    if not clashes:
+        return None
+    said = ", ".join(f"{flag} (set by {arg})" if arg else f"{flag} (always set)" for flag, arg in clashes)
+    return f"compiler options repeat flags the qaic-compile command sets itself: {said}"
+
+
 def qaic_compile_command(
     artifact_dir: Path,
     out_dir: Path,
@@ -464,8 +486,13 @@ def qaic_compile_command(
     (QEfficient's conventions); the deployment export builds its command here too.
 
     ``extra`` maps ``key_name=value`` to ``-key-name=value``; ``True`` gives a bare flag.
+    A flag this command sets itself (:data:`QAIC_COMPILE_OWN_FLAGS`) is refused there: a
+    second ``-aic-num-cores`` or ``-aic-binary-dir`` would silently win or lose.
     ``compiler``: default ``$QAIC_COMPILER`` or the SDK's path.
     """
+    clashes = extra_flag_clashes(extra or {})
+    if clashes:
+        raise ValueError(clashes)
     cmd = [
         str(compiler or qaic_compiler_path()), "-aic-hw", "-aic-hw-version=2.0", f"-m={artifact_dir / ONNX_FILE}",
         "-retained-state", "-convert-to-fp16", f"-aic-num-cores={num_cores}",

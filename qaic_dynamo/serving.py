@@ -274,7 +274,16 @@ class Session:
                              execution_slot: int = 0) -> dict[str, torch.Tensor]:
         """Bind ``buffers`` (e.g. shared memory) as this session's KV and ``slices`` for the
         next run of ``execution_slot``: it writes at slot ``batch_index`` from position
-        ``ctx_start`` in those very buffers (no copy). Returns the bound views."""
+        ``ctx_start`` in those very buffers (no copy). Returns the bound views. A prefill
+        session must be told its ``batch_index``: defaulting to slot 0 would overwrite the
+        request decoding there."""
+        n = len(self.execution_slots)
+        if not isinstance(execution_slot, int) or isinstance(execution_slot, bool) or not 0 <= execution_slot < n:
+            raise KVSliceError(f"execution_slot must be an int in [0, {n}) for this {self.role} session, "
+                               f"got {execution_slot!r}")
+        if self.role == "prefill" and "batch_index" not in slices:
+            raise KVSliceError("a prefill session writes the slot slices['batch_index']; pass it (the decode slot "
+                               "the request's KV goes to)")
         names = self.spec.select(buffers)
         missing = [n for layer in self.layer_buffers for n in layer if n not in names]
         if missing:

@@ -18,8 +18,9 @@ from torch._dynamo.exc import BackendCompilerFailed
 from expecttest import TestCase
 
 import qaic_dynamo
+from qaic_dynamo.artifact import LAYOUT_FILE
 from qaic_dynamo.backend import last_compile_report
-from qaic_dynamo.cache import Source
+from qaic_dynamo.cache import Source, artifact_cache
 from qaic_dynamo.config import CompilationConfig, ConfigError
 from qaic_dynamo.counter import compilation_counter
 from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM
@@ -410,9 +411,21 @@ def _user_scale(x):
     return x * 2.0  # lowering inlines this kernel; the key knows only the op's name
 
 
-def test_a_piece_with_another_librarys_op_is_cached_in_memory_only(tmp_path):
+_SCALE = [2.0]
+
+
+@torch.library.impl(_user_lib, "scale_by_global", "CompositeImplicitAutograd")
+def _user_scale_by_global(x):
+    return x * _SCALE[0]  # state the key cannot see, read when the piece is lowered
+
+
+_user_lib.define("scale_by_global(Tensor x) -> Tensor")
+
+
+def test_a_piece_with_another_librarys_op_is_reused_only_within_its_graph(tmp_path):
     # An edit to the kernel above would not change the key: a later process reused the
-    # artifact of the old kernel from disk.
+    # artifact of the old kernel from disk. And a kernel reading state (a global changed
+    # between two compiles) gave the first compile's values to the second from memory.
     torch.manual_seed(0)
     lin, x = nn.Linear(4, 4).eval(), torch.randn(2, 4)
     fn = lambda t: torch.ops.qaic_test_user.scale(lin(t))  # noqa: E731
@@ -421,9 +434,48 @@ def test_a_piece_with_another_librarys_op_is_cached_in_memory_only(tmp_path):
         out = torch.compile(fn, backend="qaic", options={"cache_dir": str(tmp_path)})(x)
     torch.testing.assert_close(out, fn(x))
     assert not list(tmp_path.rglob("model.onnx"))
-    torch._dynamo.reset()
-    with compilation_counter.expect(num_backend_compilations=0, num_piece_reuses=1), torch.no_grad():
-        torch.compile(fn, backend="qaic", options={"cache_dir": str(tmp_path)})(x)  # memory serves it
+
+    stateful = lambda t: torch.ops.qaic_test_user.scale_by_global(lin(t)) + lin(t * 2).sin()  # noqa: E731
+    try:
+        for scale in (2.0, 3.0):
+            _SCALE[0] = scale
+            torch._dynamo.reset()
+            with compilation_counter.expect(num_backend_compilations=1, num_piece_reuses=0), torch.no_grad():
+                out = torch.compile(stateful, backend="qaic")(x)
+            torch.testing.assert_close(out, stateful(x))
+    finally:
+        _SCALE[0] = 2.0
+
+
+def _scaled_by(s):
+    @torch._dynamo.allow_in_graph
+    def scale(x, s=s):  # the same code and closure for every s: only the default differs
+        return x * s
+    return scale
+
+
+class _Scaler:
+    def __init__(self, s):
+        self.s = s
+
+    def apply(self, x):
+        return x * self.s
+
+
+def test_user_functions_of_the_same_code_are_not_reused_for_each_other():
+    # Keyed by their code, constants and closure reprs, two functions differing in a
+    # default (or a bound method's self) shared an artifact, within a graph and, after
+    # a reset, across graphs (found by review).
+    x = torch.ones(3)
+    for make in (_scaled_by, lambda s: torch._dynamo.allow_in_graph(_Scaler(s).apply)):
+        two, three = make(2.0), make(3.0)
+        both = lambda t: two(t + 1) * 10 + three(t + 1)  # noqa: E731  one graph, two call sites
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(both, backend="qaic")(x), both(x))
+        for f in (two, three):
+            torch._dynamo.reset()
+            g = lambda t: f(t + 1)  # noqa: E731
+            torch.testing.assert_close(torch.compile(g, backend="qaic")(x), g(x))
 
 
 def test_fallback_error_raises():
@@ -707,6 +759,47 @@ def test_a_decomposition_branching_on_a_dynamic_size_is_never_served_at_other_si
         for n in (6, 7, 8, 9, 10, 12):
             x = torch.randn(n, generator=g)
             torch.testing.assert_close(compiled(x), pool(x))
+
+
+def _pool_doubled(a):
+    return F.adaptive_avg_pool1d(a, 4) * 2.0
+
+
+def _pool_in_range(a):  # Dynamo guards 9 <= n <= 10, under which the pooling's branch holds
+    return _pool_doubled(a) if 9 <= a.shape[-1] <= 10 else a
+
+
+@pytest.mark.filterwarnings("ignore:.*branches on a dynamic size")
+@pytest.mark.parametrize("where", ["memory", "disk"])
+def test_an_artifact_lowered_under_narrower_size_guards_is_not_reused_without_them(tmp_path, where):
+    # The same graph has the same key whatever Dynamo guards; the artifact lowered where
+    # n was known to be 9 or 10 gave wrong averages at n = 7 and 11 when the same piece
+    # was compiled again without that guard (found by review).
+    options = {"cache_dir": str(tmp_path)}
+    narrow = torch.compile(_pool_in_range, backend="qaic", dynamic=True, options=options)
+    for n in (9, 10):
+        x = torch.arange(float(n)).reshape(1, 1, n) ** 2
+        torch.testing.assert_close(narrow(x), _pool_in_range(x))
+    lowered = last_compile_report().pieces[0]
+    assert lowered.source is Source.LOWERED
+    assumptions = json.loads((Path(lowered.artifact) / LAYOUT_FILE).read_text())["size_assumptions"]
+    assert assumptions, "the artifact must record the size guards it relies on"
+    torch._dynamo.reset()
+    if where == "disk":
+        artifact_cache.clear_memory()
+    general = torch.compile(_pool_doubled, backend="qaic", dynamic=True, options=options)
+    for n in (7, 11, 12):
+        x = torch.arange(float(n)).reshape(1, 1, n) ** 2
+        torch.testing.assert_close(general(x), _pool_doubled(x))
+    passed_over = last_compile_report().pieces[0]  # the chain's next key, lowered for these guards: refused
+    assert passed_over.source is Source.FAILED and passed_over.key != lowered.key
+    assert "branches on a dynamic size" in passed_over.fallback
+    torch._dynamo.reset()  # and the narrow frame still finds its own artifact
+    narrow = torch.compile(_pool_in_range, backend="qaic", dynamic=True, options=options)
+    x = torch.arange(9.0).reshape(1, 1, 9) ** 2
+    torch.testing.assert_close(narrow(x), _pool_in_range(x))
+    # (from disk too, the general frame's look-up loaded it before passing it over)
+    assert last_compile_report().pieces[0].source is Source.MEMORY
 
 
 def test_attention_cases_the_translation_cannot_take_are_lowered():

@@ -102,6 +102,10 @@ def test_valid_prefixes():
     (dict(num_core=4), r"unknown export option\(s\) \['num_core'\]; valid options: \[.*'num_cores'"),
     (dict(opset=20), r"opset must be one of \[18\] .*got 20"),  # was accepted, and an opset-18 model written
     (dict(opset=18.0), r"opset must be one of \[18\] .*got 18.0"),
+    # a second -aic-num-cores / -aic-binary-dir went on the command after the export's own
+    (dict(compiler_options={"aic_num_cores": 4}), r"repeat flags .*-aic-num-cores \(set by num_cores\); pass num_cores="),
+    (dict(compiler_options={"aic_binary_dir": "/x", "convert_to_fp16": False}),
+     r"-aic-binary-dir \(set by out_dir\), -convert-to-fp16 \(always set\)"),
 ])
 def test_invalid_options_are_refused(options, message):
     with pytest.raises(ExportError, match=message):
@@ -506,6 +510,21 @@ def test_rope_scaling_extends_the_positions_a_context_may_use(rope, limit, tmp_p
         export_for_qaic(model, tmp_path, ctx_len=limit + 1, prefill_seq_len=8, run_compiler=False)
 
 
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 4.0},
+                                  {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [8.0] * 8,
+                                   "original_max_position_embeddings": 16}])
+def test_rope_chosen_by_sequence_length_is_an_export_error(rope, tmp_path):
+    # The engine serves these; the export crashed inside torch's tracer (data-dependent
+    # guard, or a tensor attribute swapped in the forward) with no word of the cause.
+    from transformers import LlamaConfig
+
+    model = hf_model_from_config(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                             rope_parameters={**rope, "rope_theta": 10000.0}))
+    with pytest.raises(ExportError, match=f"rope_type '{rope['rope_type']}' chooses its RoPE frequencies"):
+        export_for_qaic(model, tmp_path, ctx_len=16, prefill_seq_len=8, run_compiler=False)
+
+
 def test_an_architecture_the_qaic_ops_cannot_run_is_an_export_error(tmp_path, monkeypatch):
     from qaic_dynamo.models import hf as qhf
 
@@ -537,6 +556,18 @@ def test_ort_generate_names_what_it_cannot_feed(tmp_path):
     with pytest.raises(ExportError, match="ONNX Runtime cannot load") as e:  # any other failure: no bfloat16 hint
         ort_generate(tmp_path / "missing.onnx", PROMPTS, 2, SHAPE["prefill_seq_len"])
     assert "bfloat16" not in str(e.value)
+
+
+@pytest.mark.parametrize("prompts, new, message", [
+    # ONNX Gather read -1 as the vocabulary's last row; 0 tokens gave one; [] crashed inside
+    ([[-1, 6, 7]], 3, r"prompt 0 has token ids outside the vocabulary \[0, 256\): \[-1\]"),
+    ([[5, 6], [256]], 3, r"prompt 1 has token ids outside the vocabulary \[0, 256\): \[256\]"),
+    ([[5, 6, 7]], 0, "max_new_tokens must be a positive int, got 0"),
+    ([[5], []], 3, "each with at least one token id"),
+])
+def test_ort_generate_refuses_bad_input(exported, prompts, new, message):
+    with pytest.raises(ExportError, match=message):
+        ort_generate(exported.onnx_path, prompts, new, SHAPE["prefill_seq_len"])
 
 
 # --- command line ----------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import qaic_dynamo
 from qaic_dynamo import compilation_counter, fingerprint as fingerprint_stage
-from qaic_dynamo.artifact import LAYOUT_FILE, ArtifactError, PieceLayout
+from qaic_dynamo.artifact import LAYOUT_FILE, LAYOUT_FORMAT, ArtifactError, PieceLayout
 from qaic_dynamo.backend import QaicBackend, last_compile_report
 from qaic_dynamo.cache import DiskCache, Source, artifact_cache
 from qaic_dynamo.config import DEFAULT_SPLITTING_OPS, CompilationConfig
@@ -107,7 +107,7 @@ def test_layout_rejects_other_formats():
     layout = PieceLayout(inputs=[], outputs=[], leaves=[], out_spec="", symbols={}, kv_updates=[], num_args=0)
     assert PieceLayout.from_json(layout.to_json()) == layout
     data = json.loads(layout.to_json())
-    with pytest.raises(ArtifactError, match="layout format 1; this version of qaic_dynamo reads format 2"):
+    with pytest.raises(ArtifactError, match=f"layout format 1; this version of qaic_dynamo reads format {LAYOUT_FORMAT}"):
         PieceLayout.from_json(json.dumps({k: v for k, v in data.items() if k != "format"}))
     with pytest.raises(ArtifactError, match=r"unknown keys \['surprise'\]"):
         PieceLayout.from_json(json.dumps(dict(data, surprise=1)))
@@ -170,7 +170,8 @@ def _swapped_inputs(layout: dict) -> dict:
     return dict(layout, inputs=inputs)
 
 
-@pytest.mark.parametrize("damage", ["older_format", "unknown_key", "not_json", "code_in_a_size", "swapped_inputs"])
+@pytest.mark.parametrize("damage", ["older_format", "unknown_key", "not_json", "code_in_a_size", "code_in_an_assumption",
+                                    "swapped_inputs"])
 def test_an_unreadable_layout_is_recompiled_with_a_warning(damage, caplog):
     """A layout that cannot be read, or that does not describe its model (inputs it would
     bind by the wrong names), is a miss; a size that is not an expression is never parsed
@@ -184,6 +185,7 @@ def test_an_unreadable_layout_is_recompiled_with_a_warning(damage, caplog):
             "unknown_key": lambda: json.dumps(dict(layout, added_later=True)),
             "not_json": lambda: "{",
             "code_in_a_size": lambda: json.dumps(_code_in_a_size(layout)),
+            "code_in_an_assumption": lambda: json.dumps(dict(layout, size_assumptions=["__import__('os').getpid() > 0"])),
             "swapped_inputs": lambda: json.dumps(_swapped_inputs(layout))}[damage]()
     _rewrite_entry_file(entry, LAYOUT_FILE, text)
     torch._dynamo.reset()
@@ -191,10 +193,11 @@ def test_an_unreadable_layout_is_recompiled_with_a_warning(damage, caplog):
     with compilation_counter.expect(num_backend_compilations=1, num_disk_cache_hits=2):
         out = run_steps(model, torch.compile(model, backend="qaic"), steps=1)
     assert "does not load" in caplog.text and "recompiling it" in caplog.text
-    reason = {"older_format": "layout format 1; this version of qaic_dynamo reads format 2",
+    reason = {"older_format": f"layout format 1; this version of qaic_dynamo reads format {LAYOUT_FORMAT}",
               "unknown_key": "unknown keys ['added_later']",
               "not_json": "not JSON",
               "code_in_a_size": "is not a size expression (at '__import__')",
+              "code_in_an_assumption": "a size assumption \"__import__('os').getpid() > 0\" is not a size expression",
               "swapped_inputs": "names the inputs"}[damage]
     assert reason in caplog.text
     ref = run_steps(model, model, steps=1)
@@ -204,29 +207,22 @@ def test_an_unreadable_layout_is_recompiled_with_a_warning(damage, caplog):
 # --- bug 2: the fallback policy is the config's, not the first caller's --------------------------
 
 
-@torch.library.custom_op("qaic_test::opaque_tanh", mutates_args=())
-def opaque_tanh(x: torch.Tensor) -> torch.Tensor:
-    """No ONNX translation: the exporter cannot lower it."""
-    return torch.tanh(x)
+class Unbindable(nn.Module):
+    """A piece the runtime cannot run (a uint8 output), refused while lowering. Its ops
+    are all torch's, so the refusal is remembered under its key (a piece with another
+    library's op is lowered again in every graph)."""
 
-
-@opaque_tanh.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-class Opaque(nn.Module):
     def __init__(self):
         super().__init__()
         self.a = nn.Linear(8, 8)
 
     def forward(self, x):
-        return opaque_tanh(self.a(x))
+        return (self.a(x) * 3).to(torch.uint8)
 
 
 def test_fallback_error_after_an_eager_fallback_still_raises():
     torch.manual_seed(0)
-    model, x = Opaque().eval(), torch.randn(3, 8)
+    model, x = Unbindable().eval(), torch.randn(3, 8)
     with pytest.warns(RuntimeWarning, match="runs eagerly"), torch.no_grad():
         torch.compile(model, backend="qaic")(x)
     assert last_compile_report().pieces[0].source is Source.FAILED
@@ -234,12 +230,12 @@ def test_fallback_error_after_an_eager_fallback_still_raises():
     with pytest.raises(BackendCompilerFailed, match="remembered from an identical piece compiled earlier") as e, \
             torch.no_grad():
         torch.compile(model, backend="qaic", options={"fallback": "error"})(x)
-    assert "qaic_test.opaque_tanh" in str(e.value)
+    assert "cannot bind out0 (uint8)" in str(e.value)
 
 
 def test_a_remembered_failure_is_not_reported_as_reused():
     torch.manual_seed(0)
-    model, x = Opaque().eval(), torch.randn(3, 8)
+    model, x = Unbindable().eval(), torch.randn(3, 8)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the fallback warns once per process and reason
         torch.compile(model, backend="qaic")(x)

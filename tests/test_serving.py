@@ -147,6 +147,24 @@ def test_prefill_writes_straight_into_the_decode_slot():
     assert not shm_segments() & set(shared.segment_names)
 
 
+def test_a_prefill_session_is_told_its_slot():
+    # Without batch_index a prefill session wrote decode slot 0 - the KV of whatever request
+    # decoded there; a negative execution_slot was taken as Python's index from the end.
+    session = Session(llama(2), "prefill", num_slots=2, ctx_len=CTX, backend="eager")
+    shared = SharedKVBuffers(session.buffer_shapes, torch.float32)
+    try:
+        with pytest.raises(KVSliceError, match=r"a prefill session writes the slot slices\['batch_index'\]"):
+            session.set_data_with_slices(shared.tensors, {"ctx_start": 0})
+        for slot in (-1, 99, True):
+            with pytest.raises(KVSliceError, match=rf"execution_slot must be an int in \[0, \d+\) .*got {slot!r}"):
+                session.set_data_with_slices(shared.tensors, {"batch_index": 0}, slot)
+        session.set_data_with_slices(shared.tensors, {"batch_index": 1, "ctx_start": 0})  # and the right call binds
+        assert session.execution_slots[0].binding == (1, 0)
+    finally:
+        shared.close()
+        shared.unlink()
+
+
 # Prefill and decode in one process over page-protected buffers: before each request the
 # other slot's pages are made read-only (mprotect), as that slot belongs to another
 # process's run. Any write there, whole-buffer or stray, kills the process with SIGSEGV.
