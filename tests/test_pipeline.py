@@ -223,7 +223,8 @@ class Unbindable(nn.Module):
 def test_fallback_error_after_an_eager_fallback_still_raises():
     torch.manual_seed(0)
     model, x = Unbindable().eval(), torch.randn(3, 8)
-    with pytest.warns(RuntimeWarning, match="runs eagerly"), torch.no_grad():
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # the fallback warns once per process and reason
         torch.compile(model, backend="qaic")(x)
     assert last_compile_report().pieces[0].source is Source.FAILED
     torch._dynamo.reset()  # the failure stays remembered in the artifact cache
