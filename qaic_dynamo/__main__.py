@@ -207,6 +207,11 @@ def serve_command(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"qaic-dynamo serve-disagg: {e}", file=sys.stderr)
         return 1
+    except RuntimeError as e:  # a worker failed: its traceback ends with what went wrong
+        lines = [line for line in str(e).strip().splitlines() if line.strip()]
+        cause = f" ({lines[-1].strip()})" if len(lines) > 1 else ""
+        print(f"qaic-dynamo serve-disagg: {lines[0] if lines else e}{cause}", file=sys.stderr)
+        return 1
     for r in results:
         head = f"request {r.request_id:>3}  prompt {len(r.prompt):>4} tokens"
         if r.error:

@@ -436,6 +436,26 @@ def test_cli_serves_a_prompt_file(tmp_path, capsys):
     assert "whitespace-separated token ids" in capsys.readouterr().err
 
 
+def test_cli_names_why_a_worker_could_not_start(tmp_path, capsys):
+    # A context past the model's positions is refused inside the workers; the CLI printed
+    # the parent's traceback around the worker's.
+    from transformers import LlamaConfig
+
+    from qaic_dynamo.__main__ import main
+    from qaic_dynamo.models import hf_model_from_config
+
+    hf_model_from_config(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+                         ).save_pretrained(tmp_path / "model")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("1 2 3\n")
+    rc = main(["serve-disagg", "--model", str(tmp_path / "model"), "--prompts", str(prompts), "--ctx-len", "64",
+               "--backend", "eager"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err, err
+    assert "worker failed" in err and "exceeds the model's max_position_embeddings=32" in err, err
+
+
 @pytest.mark.parametrize("kind", ["prefixed-llama", "mla"])
 def test_prefixed_buffers_and_mla_caches_serve_the_same_tokens(kind):
     if kind == "mla":
