@@ -204,7 +204,7 @@ def serve_command(args: argparse.Namespace) -> int:
                                  kv_cache_prefix=args.kv_cache_prefix) as server:
             with tqdm(total=len(prompts), desc="requests", unit="req", leave=False) as bar:
                 results = server.generate(prompts, args.max_tokens, progress=lambda r: bar.update())
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # bad options, or a model that cannot be loaded
         print(f"qaic-dynamo serve-disagg: {e}", file=sys.stderr)
         return 1
     except RuntimeError as e:  # a worker failed: its traceback ends with what went wrong
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         try:
             return demo.run(args)
-        except ValueError as e:  # bad flags for this model (e.g. a context past its positions)
+        except (ValueError, OSError) as e:  # bad flags for this model (a context past its positions), no model
             print(f"qaic-dynamo demo: {e}", file=sys.stderr)
             return 2
     if args.command == "export":

@@ -165,13 +165,18 @@ def check_size_expression(text: str, symbols: Iterable[str], where: str, relatio
     can write would otherwise run their code."""
     allowed = set(symbols) | _SYMPY_NAMES | _SYMPY_FUNCTION_NAMES | (_RELATION_NAMES if relation else frozenset())
     token = _RELATION_TOKEN if relation else _EXPRESSION_TOKEN
-    pos = 0
+    pos, previous = 0, ""
     while pos < len(text.rstrip()):
         m = token.match(text, pos)
-        if m is None or m.end() == pos or (m["name"] is not None and m["name"] not in allowed):
+        word = m.group().strip() if m is not None else ""
+        # Sizes are small: a long literal is not one, nor a power but of a symbol or a
+        # parenthesis by a small integer (sympy evaluates 9**9**9**9 while it parses).
+        power_ok = word != "**" or previous == ")" or previous in allowed
+        if (m is None or m.end() == pos or (m["name"] is not None and m["name"] not in allowed) or not power_ok
+                or (word[:1].isdigit() and len(word) > 20) or (previous == "**" and not (word.isdigit() and len(word) <= 2))):
             bad = m["name"] if m is not None and m["name"] else text[pos:pos + 12]
             raise ArtifactError(f"{LAYOUT_FILE}: {where} {text!r} is not a size expression (at {bad!r})")
-        pos = m.end()
+        pos, previous = m.end(), word
 
 
 def shape_function(shape: list[int | str] | None, symbols: dict[str, list[Any]]) -> Callable[[dict[str, int]], list[int]]:

@@ -291,6 +291,7 @@ class QaicBackend:
         t0 = time.perf_counter()
         pieces = split.pieces
         graph_nonce = uuid.uuid4().hex  # what keeps unkeyed pieces' reuse inside this graph
+        graph_keys: list[str] = []  # the keys only this graph looks up
         if self.config.progress:
             from tqdm import tqdm
 
@@ -303,13 +304,15 @@ class QaicBackend:
             compilation_counter.bump(num_piecewise_compilable_graphs_seen=1)
             with torch.set_grad_enabled(grad_mode):  # lowering runs a piece's switches: none leaks to the next
                 report.pieces.append(self._compile_piece(piece, piece_args[piece.name], fake_mode, split.graph_module,
-                                                         grad_mode, graph_nonce))
+                                                         grad_mode, graph_nonce, graph_keys))
         compilable = [p for p in report.pieces if p.source is not None]
         report.seconds["fingerprint"] = sum(p.fingerprint_seconds for p in compilable)
         report.seconds["lower+load"] = sum(p.compile_seconds + p.load_seconds for p in compilable)
         report.seconds["pieces"] = time.perf_counter() - t0
         report.seconds["total"] = time.perf_counter() - t_start
         report._module = weakref.ref(split.graph_module)
+        if graph_keys:  # their artifacts and scratch directories go with the graph
+            weakref.finalize(split.graph_module, artifact_cache.forget, tuple(graph_keys))
         logger.info("%s", report.table())
         if self.config.dump_dir:
             self._dump(report, split.pieces)
@@ -321,13 +324,14 @@ class QaicBackend:
         return split.graph_module.forward
 
     def _compile_piece(self, piece: Piece, args: tuple, fake_mode: Any, split_gm: fx.GraphModule,
-                       grad_mode: bool, graph_nonce: str) -> PieceReport:
+                       grad_mode: bool, graph_nonce: str, graph_keys: list[str]) -> PieceReport:
         """Key the piece, get its artifact from the cache stage, and put a runner in its place.
 
         A piece calling code the key cannot cover (another library's op, whose kernel may
         read state; a user function, whose defaults, globals and callees are not hashed) is
         reused only inside this graph, where every call site calls the same objects: it
-        is kept off the disk, and its memory key includes ``graph_nonce``."""
+        is kept off the disk, its memory key includes ``graph_nonce``, and that key goes
+        into ``graph_keys`` (forgotten when the graph is)."""
         t0 = time.perf_counter()
         fp = fingerprint(piece.graph_module, args, self.config_hash)
         entry = PieceReport(piece.index, piece.name, piece.kind, piece.reason, piece.detail, key=fp.prefix,
@@ -356,6 +360,8 @@ class QaicBackend:
             key, compile_into, disk=None if fp.unkeyed_ops else self.disk, num_threads=self.num_threads,
             describe=fp.inputs, unmet=lambda artifact: unmet_size_assumptions(artifact.layout.size_assumptions, args),
         )
+        if fp.unkeyed_ops:
+            graph_keys += [key, result.key]
         entry.key = result.key[:len(fp.prefix)]
         entry.source = result.source
         entry.compile_seconds, entry.load_seconds = result.compile_seconds, result.load_seconds

@@ -56,7 +56,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -301,6 +301,22 @@ class CompileCache:
     def failure(self, key: str) -> str | None:
         with self._lock:
             return self._failed.get(key)
+
+    def forget(self, keys: Iterable[str]) -> None:
+        """Drop the artifacts and failures of ``keys`` from memory, and the scratch
+        directories of those not in the persistent cache: keys only one graph can ever
+        look up (the backend's for code the key cannot cover), once that graph is gone."""
+        keys = set(keys)
+        with self._lock:
+            for k in [k for k in self._sessions if k[0] in keys]:
+                del self._sessions[k]
+            paths = [self._paths.pop(k) for k in keys if k in self._paths]
+            for k in keys:
+                self._failed.pop(k, None)
+            scratch = self._scratch
+        for path in paths:
+            if scratch is not None and path.parent == scratch:
+                shutil.rmtree(path, ignore_errors=True)
 
     def clear_memory(self) -> None:
         """Forget every loaded artifact and failure (the persistent cache is kept)."""

@@ -54,7 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=None, help="override the number of layers (default 16)")
     p.add_argument("--hidden-size", type=int, default=None, help="override the hidden size (default 512)")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--compare", action="store_true", help="also compile with per-layer KV-update names")
+    p.add_argument("--compare", action="store_true",
+                   help="also compile the whole model, with layer-agnostic and with per-layer KV-update names, and "
+                        "print both cold compile times")
     p.add_argument("--seed", type=int, default=0)
 
 

@@ -44,6 +44,7 @@ rows with padding slots (-1), because Dynamo specialises sizes 0 and 1.
 from __future__ import annotations
 
 import collections
+import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -168,7 +169,7 @@ class LLM:
         tokenizer: Any = None,
         seed: int = 0,
     ) -> None:
-        from qaic_dynamo.models import batch_dependent_rope, load_model, max_positions
+        from qaic_dynamo.models import batch_dependent_rope, load_model, max_positions, max_positions_text
         from qaic_dynamo.sampling import SEED_RANGE, Sampler, is_seed
 
         if backend not in BACKENDS:
@@ -188,8 +189,8 @@ class LLM:
         if max_model_len is None:
             max_model_len = min(DEFAULT_MAX_MODEL_LEN, positions or DEFAULT_MAX_MODEL_LEN)
         elif positions is not None and max_model_len > positions:
-            raise ValueError(f"LLM: max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                             f"{positions}; pass max_model_len <= {positions}")
+            raise ValueError(f"LLM: max_model_len={max_model_len} exceeds the model's {max_positions_text(self.model)}; "
+                             f"pass max_model_len <= {positions}")
         rope = batch_dependent_rope(self.model)
         if rope is not None and max_num_seqs > 1 and max_model_len > rope[1]:
             # The engine runs a step's requests as one sequence of tokens, so one request
@@ -491,7 +492,9 @@ def prompt_list(prompts: Any) -> list[Any]:
             f"generate: prompts must be a list of prompts (token-id lists or strings), got {type(prompts).__name__}"
         )
     prompts = [p.tolist() if hasattr(p, "tolist") and not isinstance(p, (str, list, tuple)) else p for p in prompts]
-    if prompts and all(is_token_id(t) for t in prompts):
+    # Scalars of any kind make one flat prompt, so that a bool or float among its ids is
+    # refused by name (as in a nested prompt), not as "prompt 0 is an int".
+    if prompts and all(is_token_id(t) or isinstance(t, numbers.Number) or type(t).__name__ == "bool_" for t in prompts):
         return [list(prompts)]
     return prompts
 

@@ -942,7 +942,8 @@ class ExportResult:
     compile_command: list[str]
     export_dir: Path
     qpc_dir: Path
-    #: True if qaic-compile ran (and succeeded); False: validated on ONNX Runtime only.
+    #: True if qaic-compile ran (and succeeded); False: it was not found (or not run), and
+    #: its command is in ``compile.sh``.
     compiled: bool
     layerwise: bool
     num_layers: int
@@ -968,8 +969,7 @@ class ExportResult:
         if self.compiled:
             lines.append(f"qaic-compile      ran: {self.qpc_dir} (log {self.compile_log})")
         else:
-            lines.append(f"qaic-compile      not found: command written to {self.export_dir / 'compile.sh'}; "
-                         "the model was validated on ONNX Runtime only")
+            lines.append(f"qaic-compile      not run: command written to {self.export_dir / 'compile.sh'}")
         return "\n".join(lines)
 
 
@@ -1071,13 +1071,13 @@ def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int =
     opts = ExportOptions.from_options(batch_size=batch_size, prefill_seq_len=prefill_seq_len, ctx_len=ctx_len,
                                       kv_cache_prefix=kv_cache_prefix, layerwise=layerwise, **options)
     say = progress or (lambda stage, done, total: None)
-    from qaic_dynamo.models import batch_dependent_rope, max_positions
+    from qaic_dynamo.models import batch_dependent_rope, max_positions, max_positions_text
 
     t_start = time.perf_counter()
     engine_model = _engine_model(model)
     positions = max_positions(engine_model)
     if positions is not None and opts.ctx_len > positions:  # as LLM's max_model_len
-        raise ExportError(f"ctx_len={opts.ctx_len} exceeds the model's max_position_embeddings={positions}; "
+        raise ExportError(f"ctx_len={opts.ctx_len} exceeds the model's {max_positions_text(engine_model)}; "
                           f"pass ctx_len <= {positions}")
     rope = batch_dependent_rope(engine_model)
     if rope is not None:
@@ -1101,7 +1101,7 @@ def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int =
     identity = _identity(engine_model)  # hashes every weight: once
     digest = opts.compute_hash(identity)
     seconds_identity = time.perf_counter() - t0
-    export_dir = Path(out_dir) / digest
+    export_dir = Path(out_dir).expanduser().absolute() / digest  # compile.sh must run from anywhere
     export_dir.mkdir(parents=True, exist_ok=True)
     seconds: dict[str, float] = {"identity": seconds_identity}  # the weights' hash
 
@@ -1227,7 +1227,13 @@ def ort_generate(onnx_path: str | os.PathLike, prompts: Sequence[Sequence[int]],
     for name, value in (("max_new_tokens", max_new_tokens), ("prefill_seq_len", prefill_seq_len)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ExportError(f"ort_generate: {name} must be a positive int, got {value!r}")
-    prompts = [list(p) for p in prompts]
+    try:
+        if isinstance(prompts, (str, bytes)) or any(isinstance(p, (str, bytes)) for p in prompts):
+            raise TypeError
+        prompts = [list(p) for p in prompts]
+    except TypeError:
+        raise ExportError("ort_generate: prompts must be a list of token-id lists, e.g. [[1, 2, 3]] for one "
+                          "prompt") from None
     if not prompts or any(not p for p in prompts):
         raise ExportError("ort_generate: pass at least one prompt, each with at least one token id")
     opts = ort.SessionOptions()

@@ -185,11 +185,19 @@ def _tensor_digest(t: torch.Tensor) -> dict[str, Any]:
 
 
 def _is_user_function(fn: Any) -> bool:
-    """A Python function from outside torch (``allow_in_graph``): its own code can be
-    hashed, the functions it calls cannot."""
-    module = getattr(fn, "__module__", None) or type(fn).__module__
-    torch_own = module == "torch" or module.startswith("torch.") or module in ("operator", "_operator", "builtins")
-    return isinstance(getattr(fn, "__code__", None), types.CodeType) and not torch_own
+    """A callable from outside torch in the graph (``allow_in_graph``: a function, a bound
+    method or a callable object): its own code can be hashed if it has any, but not the
+    functions it calls, its defaults, the globals it reads or an object's state."""
+    if isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return False
+    module = getattr(fn, "__module__", None) or type(fn).__module__ or ""
+    keyed = module == "torch" or module.startswith("torch.") or module in _KEYED_MODULES
+    return not keyed
+
+
+#: Python's own modules whose functions appear in graphs (size arithmetic): their
+#: behaviour is the interpreter's, whose version is in the key through torch's.
+_KEYED_MODULES = frozenset({"operator", "_operator", "builtins", "math", "cmath"})
 
 
 def _callable_name(fn: Any) -> str:
@@ -198,7 +206,7 @@ def _callable_name(fn: Any) -> str:
     module = getattr(fn, "__module__", None) or type(fn).__module__
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__qualname__
     ident = f"{module}.{name}"
-    if _is_user_function(fn):
+    if _is_user_function(fn) and isinstance(getattr(fn, "__code__", None), types.CodeType):
         # A user function allowed into the graph: its behaviour is its code, constants
         # and closure, so those are the key (a name alone could hide an edit).
         code = fn.__code__

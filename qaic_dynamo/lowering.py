@@ -716,6 +716,8 @@ class TorchOnnxInternals:
       decompositions), ``torch._export.utils._is_preservable_cia_op`` and
       ``torch.export.decomp_utils.PRESERVED_ATEN_CIA_OPS``, from which
       :func:`decompositions` builds the table for the ops it lacks;
+    * ``_fx_passes.decompose_with_registry`` - the exporter's own decompositions, which
+      the exporter fallback runs itself so that the size guards they take can be checked;
     * ``_fx_passes.remove_assertion_nodes``, and from ``fx.passes.type_promotion`` the
       exporter's type-promotion pass (``InsertTypePromotion``, its interpreter, rule table
       and ``get_type_promotion_rule``), run only on the nodes that need it (see
@@ -740,7 +742,7 @@ _NEEDED = {
     "decomp": ("get_onnx_implemented_overloads",),
     "torch_decomp": ("_core_aten_decompositions_post_autograd", "decomposition_table"),
     "export_utils": ("_is_preservable_cia_op",),
-    "fx_passes": ("insert_type_promotion_nodes", "remove_assertion_nodes"),
+    "fx_passes": ("decompose_with_registry", "insert_type_promotion_nodes", "remove_assertion_nodes"),
     "type_promotion": ("InsertTypePromotion", "_TypePromotionInterpreter", "TypePromotionTable",
                        "get_type_promotion_rule", "fx_type_utils"),
     "ir_passes": ("add_opset_imports",),
@@ -1246,9 +1248,23 @@ def _reduced_float_comparison(op: Any) -> Callable[..., Any]:
     return compare
 
 
+def _reduce_all_dims(op: Any) -> Callable[..., Any]:
+    """``amax`` / ``amin`` with ``dim=[]`` (``x.amax()``: every dim, as eager) with the dims
+    spelled out: onnxscript's translation requires them."""
+
+    def reduce(x: Any, dim: Any = (), keepdim: bool = False) -> Any:
+        if list(dim):
+            return NotImplemented
+        return op(x, list(range(x.dim())), keepdim) if x.dim() else x.clone()  # a 0-d tensor is its own max
+
+    return reduce
+
+
 _aten = torch.ops.aten
 #: Ops whose onnxscript translation disagrees with eager, decomposed in the aten trace.
 TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
+    _aten.amax.default: _reduce_all_dims(_aten.amax.default),
+    _aten.amin.default: _reduce_all_dims(_aten.amin.default),
     _aten.floor_divide.default: _floor_divide,
     _aten.floor_divide.Scalar: _floor_divide,
     _aten.remainder.Tensor: _remainder,
@@ -1274,8 +1290,9 @@ class _DirectPathError(Exception):
 
 class _SizeBranchError(_DirectPathError):
     """The trace took a branch on a dynamic size that Dynamo's guards do not fix. The
-    exporter would take one too, unchecked (its decompositions run after its own guards),
-    so such a piece runs eagerly rather than serve sizes the branch is wrong for."""
+    exporter would take the same branch (its guards are checked the same way, see
+    :func:`_check_export_guards`), so such a piece runs eagerly rather than serve sizes the
+    branch is wrong for."""
 
 
 def fake_inputs(example: Sequence[torch.Tensor], dynamic_shapes: Sequence[dict[int, Any] | None],
@@ -1704,7 +1721,24 @@ def _exporter_noise_suppressed() -> Iterator[None]:
 
 def _lower_with_exporter(prepared: PreparedPiece, opset: int) -> onnx.ModelProto:
     """The fallback: torch.export, run_decompositions and translation (the exporter core
-    with our cached registry when available, else the public ``torch.onnx.export``)."""
+    with our cached registry when available, else the public ``torch.onnx.export``). An
+    export whose size guards do not follow from Dynamo's is tried again at the sizes
+    Dynamo saw, as the direct path's trace is."""
+    try:
+        try:
+            return _exported_model(prepared, prepared.example, opset)
+        except _SizeBranchError:
+            if prepared.real_example is None:
+                raise
+            return _exported_model(prepared, prepared.real_example, opset)
+    except _SizeBranchError as e:
+        raise LoweringError(f"its export branches on a dynamic size ({e}); compiled, it would serve sizes the branch "
+                            "is wrong for") from e
+    except Exception as e:
+        raise LoweringError(f"the ONNX exporter failed: {_first_line(e)}") from e
+
+
+def _exported_model(prepared: PreparedPiece, example: Sequence[torch.Tensor], opset: int) -> onnx.ModelProto:
     common = dict(
         dynamic_shapes=tuple(prepared.dynamic_shapes),
         input_names=prepared.input_names,
@@ -1714,38 +1748,61 @@ def _lower_with_exporter(prepared: PreparedPiece, opset: int) -> onnx.ModelProto
         optimize=False,
         verbose=False,
     )
-    try:
-        # The exporter traces with torch.export. Run it outside Dynamo's tracing context,
-        # or the guards it records on its own inputs leak into the frame being compiled.
-        with torch._guards.tracing(None), _exporter_noise_suppressed():
-            # Non-strict only, and here: given a module, the exporter retries a failed
-            # non-strict export with strict=True, i.e. with Dynamo - inside the Dynamo
-            # compile that called this backend. Dynamo's export then drops the cache entries
-            # of the code it was handed (or, for a callable it cannot key, all of them),
-            # and the outer compile crashed building its guards on the freed entries
-            # (InternalTorchDynamoError or a segfault; seen on a recompile of a model whose
-            # float attribute had become a graph input).
-            exported = torch.export.export(
-                prepared.gm, tuple(prepared.example), dynamic_shapes=tuple(prepared.dynamic_shapes), strict=False
+    # The exporter traces with torch.export. Run it outside Dynamo's tracing context,
+    # or the guards it records on its own inputs leak into the frame being compiled.
+    with torch._guards.tracing(None), _exporter_noise_suppressed():
+        # Non-strict only, and here: given a module, the exporter retries a failed
+        # non-strict export with strict=True, i.e. with Dynamo - inside the Dynamo
+        # compile that called this backend. Dynamo's export then drops the cache entries
+        # of the code it was handed (or, for a callable it cannot key, all of them),
+        # and the outer compile crashed building its guards on the freed entries
+        # (InternalTorchDynamoError or a segfault; seen on a recompile of a model whose
+        # float attribute had become a graph input).
+        exported = torch.export.export(prepared.gm, tuple(example), dynamic_shapes=tuple(prepared.dynamic_shapes),
+                                       strict=False)
+        # Eager's arithmetic on this path too (the exporter's own decompositions follow);
+        # torch.export keeps sdpa whole, so it is opened to reach the CPU kernel's op.
+        exported = exported.run_decompositions(
+            {**TORCH_SEMANTICS, _aten.scaled_dot_product_attention.default: _open_sdpa})
+        internals = torch_onnx_internals()
+        if internals is not None:
+            # opset_version=None: the registry already targets the opset, so no version
+            # conversion (which would also inline every function) is needed.
+            registry = onnx_registry(opset)
+            # The exporter's own decompositions, run here (its own run then finds
+            # nothing left): a branch they take on a size is a guard to check too.
+            exported = internals.fx_passes.decompose_with_registry(exported, registry)
+            _check_export_guards(exported, prepared)
+            infer_op_signatures(registry, None)  # the exporter's graph is not known before it runs
+            program = internals.core.export(exported, registry=registry, opset_version=None, **common)
+        else:
+            # Only torch.export's guards can be checked: the public exporter's own
+            # decompositions happen inside it (docs/usage.md).
+            _check_export_guards(exported, prepared)
+            program = torch.onnx.export(
+                exported, dynamo=True, opset_version=opset, custom_translation_table=_translations(), **common,
             )
-            # Eager's arithmetic on this path too (the exporter's own decompositions follow);
-            # torch.export keeps sdpa whole, so it is opened to reach the CPU kernel's op.
-            exported = exported.run_decompositions(
-                {**TORCH_SEMANTICS, _aten.scaled_dot_product_attention.default: _open_sdpa})
-            internals = torch_onnx_internals()
-            if internals is not None:
-                # opset_version=None: the registry already targets the opset, so no version
-                # conversion (which would also inline every function) is needed.
-                registry = onnx_registry(opset)
-                infer_op_signatures(registry, None)  # the exporter's graph is not known before it runs
-                program = internals.core.export(exported, registry=registry, opset_version=None, **common)
-            else:
-                program = torch.onnx.export(
-                    exported, dynamo=True, opset_version=opset, custom_translation_table=_translations(), **common,
-                )
-            return program.model_proto
-    except Exception as e:
-        raise LoweringError(f"the ONNX exporter failed: {_first_line(e)}") from e
+        return program.model_proto
+
+
+def _check_export_guards(exported: Any, prepared: PreparedPiece) -> None:
+    """Refuse an export whose size guards (torch.export traced at the example sizes, and
+    the decompositions after it, may branch on a size: a split's remainder, a pooling
+    window) do not follow from Dynamo's guards; record the implied ones as the
+    artifact's assumptions, as the direct path does."""
+    if not prepared.dynamo_sizes:
+        return
+    placeholders = {n.name: n for n in exported.graph.nodes if n.op == "placeholder"}
+    values = [placeholders[name].meta.get("val") for name in exported.graph_signature.user_inputs]
+    shape_env = next((d.node.shape_env for v in values if isinstance(v, torch.Tensor) for d in v.shape
+                      if isinstance(d, torch.SymInt)), None)
+    if shape_env is None:
+        return
+    implied: list[sympy.Basic] = []
+    unproven = _guards_not_implied(values, shape_env, prepared.dynamo_sizes, strict=False, implied=implied)
+    if unproven:
+        raise _SizeBranchError("(export)", f"size guards {unproven} do not follow from Dynamo's")
+    prepared.size_assumptions = implied
 
 
 def _export(prepared: PreparedPiece, opset: int, seconds: dict[str, float]) -> tuple[onnx.ModelProto, str | None]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import subprocess
@@ -436,6 +437,9 @@ def test_a_piece_with_another_librarys_op_is_reused_only_within_its_graph(tmp_pa
     assert not list(tmp_path.rglob("model.onnx"))
 
     stateful = lambda t: torch.ops.qaic_test_user.scale_by_global(lin(t)) + lin(t * 2).sin()  # noqa: E731
+    torch._dynamo.reset()
+    gc.collect()
+    held = len(artifact_cache)
     try:
         for scale in (2.0, 3.0):
             _SCALE[0] = scale
@@ -445,6 +449,9 @@ def test_a_piece_with_another_librarys_op_is_reused_only_within_its_graph(tmp_pa
             torch.testing.assert_close(out, stateful(x))
     finally:
         _SCALE[0] = 2.0
+    torch._dynamo.reset()
+    gc.collect()  # such artifacts are looked up by their graph only, and go with it
+    assert len(artifact_cache) == held
 
 
 def _scaled_by(s):
@@ -462,12 +469,22 @@ class _Scaler:
         return x * self.s
 
 
+class _ScaleObject:
+    def __init__(self, s):
+        self.s, self.__name__ = s, "_ScaleObject"  # allow_in_graph wants a name
+
+    def __call__(self, x):
+        return x * self.s
+
+
 def test_user_functions_of_the_same_code_are_not_reused_for_each_other():
     # Keyed by their code, constants and closure reprs, two functions differing in a
     # default (or a bound method's self) shared an artifact, within a graph and, after
-    # a reset, across graphs (found by review).
+    # a reset, across graphs; a callable object was keyed by its class name alone, on
+    # disk too (found by review).
     x = torch.ones(3)
-    for make in (_scaled_by, lambda s: torch._dynamo.allow_in_graph(_Scaler(s).apply)):
+    for make in (_scaled_by, lambda s: torch._dynamo.allow_in_graph(_Scaler(s).apply),
+                 lambda s: torch._dynamo.allow_in_graph(_ScaleObject(s))):
         two, three = make(2.0), make(3.0)
         both = lambda t: two(t + 1) * 10 + three(t + 1)  # noqa: E731  one graph, two call sites
         torch._dynamo.reset()
@@ -656,6 +673,14 @@ def test_division_and_remainder_give_eagers_values(case):
     torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("fn", [lambda x: x.amax() * 2, lambda x: x.amin(keepdim=True) + x,
+                                lambda x: x[0, 0].amax() * 2, lambda x: x.int().amax(0) * 2])
+def test_a_reduction_over_every_dim_is_lowered(fn):
+    # x.amax() (dim=[]: every dim) ran eagerly: onnxscript's translation requires the dims
+    out, expected = lowered_and_eager(fn, torch.randn(3, 4, generator=torch.Generator().manual_seed(0)))
+    assert torch.equal(out, expected)
+
+
 _H = torch.tensor([0.1, 0.2, 0.3, -0.1, 7e4], dtype=torch.float16)  # float16(0.1) is below 0.1
 REDUCED_COMPARISONS = {
     "ge-float": (lambda a: a >= 0.1, _H),
@@ -767,6 +792,22 @@ def _pool_doubled(a):
 
 def _pool_in_range(a):  # Dynamo guards 9 <= n <= 10, under which the pooling's branch holds
     return _pool_doubled(a) if 9 <= a.shape[-1] <= 10 else a
+
+
+@pytest.mark.filterwarnings("ignore:.*branches on a dynamic size")
+def test_an_exporter_fallback_branching_on_a_dynamic_size_is_never_served_at_other_sizes():
+    # A tensor constant sends the piece to the exporter, which traced at its own example
+    # size (17) and served that remainder's split to every size: 6 gave [3, 12, 0] for
+    # [1, 5, 9] (found by review). Its guards are now checked as the direct path's are.
+    def split(a):
+        return torch.cat([t.sum(0, keepdim=True) for t in torch.tensor_split(a, 3)]) + torch.tensor(0.0)
+
+    compiled = torch.compile(split, backend="qaic", dynamic=True)
+    for n in (6, 9, 12, 7, 10, 8, 11):
+        x = torch.arange(float(n))
+        torch.testing.assert_close(compiled(x), split(x))
+        piece = last_compile_report().pieces[0]
+        assert piece.source is Source.FAILED and "export branches on a dynamic size" in piece.fallback
 
 
 @pytest.mark.filterwarnings("ignore:.*branches on a dynamic size")

@@ -101,6 +101,21 @@ def test_demo_layers_resize_every_per_layer_list_and_bad_lengths_are_reported(tm
     assert "Traceback" not in proc.stderr
 
 
+def test_every_command_says_when_a_model_directory_has_no_config(tmp_path, capsys):
+    # transformers blamed a missing model_type key, after a warning that random weights
+    # would be used (found by review).
+    from qaic_dynamo.__main__ import main
+
+    (tmp_path / "prompts.txt").write_text("1 2 3\n")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for argv in (["demo", "--config", str(empty)], ["export", "--model", str(empty), "--out", str(tmp_path / "x")],
+                 ["serve-disagg", "--model", str(empty), "--prompts", str(tmp_path / "prompts.txt")]):
+        assert main(argv) in (1, 2), argv
+        err = capsys.readouterr().err
+        assert f"{empty} has no config.json" in err and "Traceback" not in err and "model_type" not in err, err
+
+
 def test_cli_takes_a_directory_named_like_a_built_in_model_as_that_directory(tmp_path):
     from qaic_dynamo.__main__ import _model_arg
     from qaic_dynamo.demo import argparse

@@ -116,6 +116,9 @@ def test_bad_input_is_rejected(call, message):
         (lambda llm: llm.generate([[__import__("numpy").array(3.7), 2]]), "not integers: [array(3.7)]"),
         (lambda llm: llm.generate([[__import__("numpy").array(True), 2]]), "not integers: [array(True)]"),
         (lambda llm: llm.generate([[1], 7]), "prompt 1 is a int; a prompt is a list of token ids or a string"),
+        # one flat prompt: the bool or float is named, not "prompt 0 is a int" (found by review)
+        (lambda llm: llm.generate([1, True]), "prompt 0 has token ids that are not integers: [True]"),
+        (lambda llm: llm.generate([1, 2.0]), "prompt 0 has token ids that are not integers: [2.0]"),
         (lambda llm: llm.generate({1: 2}), "prompts must be a list of prompts"),
     ],
 )

@@ -506,7 +506,9 @@ def test_rope_scaling_extends_the_positions_a_context_may_use(rope, limit, tmp_p
                                              rope_parameters={**rope, "rope_theta": 10000.0}))
     assert max_positions(LLM(model, backend="eager").model) == limit
     export_for_qaic(model, tmp_path, ctx_len=limit, prefill_seq_len=8, run_compiler=False)  # refused at 128 before
-    with pytest.raises(ExportError, match=f"exceeds the model's max_position_embeddings"):
+    said = (f"max_position_embeddings={limit}" if limit == 32 else
+            rf"maximum of {limit} positions \(max_position_embeddings=32 stretched by its RoPE scaling factor\)")
+    with pytest.raises(ExportError, match=f"exceeds the model's {said}"):  # the limit named for what it is
         export_for_qaic(model, tmp_path, ctx_len=limit + 1, prefill_seq_len=8, run_compiler=False)
 
 
@@ -564,6 +566,7 @@ def test_ort_generate_names_what_it_cannot_feed(tmp_path):
     ([[5, 6], [256]], 3, r"prompt 1 has token ids outside the vocabulary \[0, 256\): \[256\]"),
     ([[5, 6, 7]], 0, "max_new_tokens must be a positive int, got 0"),
     ([[5], []], 3, "each with at least one token id"),
+    ([5, 6, 7], 3, r"prompts must be a list of token-id lists, e.g. \[\[1, 2, 3\]\] for one prompt"),  # TypeError
 ])
 def test_ort_generate_refuses_bad_input(exported, prompts, new, message):
     with pytest.raises(ExportError, match=message):
@@ -581,7 +584,7 @@ def test_cli_exports_validates_and_summarises(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "past_key.0_vllm" in out and "layerwise: 2 traced, one block lowered, stitched" in out
-    assert "qaic-compile      not found" in out and "ONNX Runtime greedy tokens == eager PyTorch" in out
+    assert "qaic-compile      not run: command written to" in out and "ONNX Runtime greedy tokens == eager PyTorch" in out
     assert main(["export", "--model", "gpt9", "--out", str(tmp_path)]) == 2
     assert main(["export", "--model", "llama", "--layers", "2", "--out", str(tmp_path), "--kv-cache-prefix", "a.b"]) == 1
     assert "kv_cache_prefix must be" in capsys.readouterr().err

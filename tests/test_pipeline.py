@@ -103,6 +103,22 @@ def test_kv_cache_scatter_op(sample):
     assert torch.equal(new_k, want_k) and torch.equal(new_v, want_v)
 
 
+@pytest.mark.parametrize("text, ok", [
+    ("S0**2 + 3*S1", True), ("Max(S0, 2)", True), ("S0 <= 10", False),  # a relation only where one is wanted
+    ("(S0 + 1)**2", True), ("S0**999", False), ("9**9**9**9", False), ("S0**2**9", False), ("S0**S1", False), ("1" * 21, False), ("__import__('os')", False),
+])
+def test_size_expressions_are_small_arithmetic(text, ok):
+    # sympy evaluates while it parses: 9**9**9**9 from a writable cache dir hung the compile.
+    from qaic_dynamo.artifact import check_size_expression
+
+    if ok:
+        check_size_expression(text, ["S0", "S1"], "a size")
+    else:
+        with pytest.raises(ArtifactError, match="is not a size expression"):
+            check_size_expression(text, ["S0", "S1"], "a size")
+    check_size_expression("Eq(Mod(S0, 4), 0) & (S0 <= 10)", ["S0"], "a size assumption", relation=True)
+
+
 def test_layout_rejects_other_formats():
     layout = PieceLayout(inputs=[], outputs=[], leaves=[], out_spec="", symbols={}, kv_updates=[], num_args=0)
     assert PieceLayout.from_json(layout.to_json()) == layout

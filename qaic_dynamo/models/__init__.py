@@ -40,6 +40,7 @@ __all__ = [
     "BATCH_DEPENDENT_ROPE",
     "batch_dependent_rope",
     "max_positions",
+    "max_positions_text",
     "model_config",
     "copy_module_tree",
     "has_weights",
@@ -55,6 +56,13 @@ logger = logging.getLogger("qaic_dynamo")
 REFERENCE_MODELS = {"llama": (QaicLlamaConfig, QaicLlamaForCausalLM), "mla": (QaicMLAConfig, QaicMLAForCausalLM)}
 
 
+def _require_config_json(path: Path) -> None:
+    # transformers' own message for a directory without one blames its model_type key.
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: a local model directory needs one (and its weights, "
+                                "else the model gets random weights)")
+
+
 def hf_config(source: str | os.PathLike | dict[str, Any]) -> Any:
     """A transformers config from a local directory, a JSON file or a dict."""
     from transformers import AutoConfig
@@ -64,6 +72,7 @@ def hf_config(source: str | os.PathLike | dict[str, Any]) -> Any:
     else:
         path = Path(source)
         if path.is_dir():
+            _require_config_json(path)
             return AutoConfig.from_pretrained(str(path), local_files_only=True)
         if not path.is_file():
             raise FileNotFoundError(f"no model directory or config JSON at {path}")
@@ -101,6 +110,7 @@ def local_model(path: str | os.PathLike) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
+    _require_config_json(path)
     if has_weights(path):
         return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True).eval()
     logger.warning("qaic: %s has no weights (%s); using random weights (seed 0)", path, " or ".join(WEIGHT_FILES))
@@ -148,6 +158,15 @@ def model_config(model: nn.Module, text: bool = True) -> Any:
     whole config), or the reference model's (None if it has neither)."""
     cfg = getattr(getattr(model, "hf", None), "config", None) or getattr(model, "config", None)
     return cfg.get_text_config() if text and hasattr(cfg, "get_text_config") else cfg
+
+
+def max_positions_text(model: nn.Module) -> str:
+    """What :func:`max_positions` is, for an error message: ``max_position_embeddings=N``,
+    or how RoPE scaling stretched it."""
+    n, raw = max_positions(model), getattr(model_config(model), "max_position_embeddings", None)
+    if n == raw:
+        return f"max_position_embeddings={n}"
+    return f"maximum of {n} positions (max_position_embeddings={raw} stretched by its RoPE scaling factor)"
 
 
 def max_positions(model: nn.Module) -> int | None:
