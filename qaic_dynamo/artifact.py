@@ -214,7 +214,7 @@ def parse_size_assumption(text: str) -> sympy.Basic:
     names = _CANONICAL_SYMBOL.findall(text)
     check_size_expression(text, names, "a size assumption", relation=True)
     symbols = {n: sympy.Symbol(n, integer=True) for n in names}
-    return sympy.sympify(text, locals={**_SYMPY_LOCALS, **symbols})
+    return sympy.sympify(sympy.sympify(text, locals={**_SYMPY_LOCALS, **symbols}))  # "True" parses to a bool
 
 
 @dataclass

@@ -1260,9 +1260,90 @@ def _reduce_all_dims(op: Any) -> Callable[..., Any]:
     return reduce
 
 
+def _scatter_reduce(x: Any, dim: int, index: Any, src: Any, reduce: str, *, include_self: bool = True) -> Any:
+    """``scatter_reduce`` where onnxscript's translation differs from eager: "mean" (it
+    scatters without reducing: the last write wins) and a floating "amax" / "amin" that
+    leaves out ``self`` (it fills the touched slots with the type's finite extreme, so an
+    all -inf group came back as -3.4e38, not -inf)."""
+    if reduce == "mean":
+        touched = torch.zeros_like(x, dtype=torch.bool).scatter(dim, index, True)
+        base = x if include_self else x.masked_fill(touched, 0)
+        total = base.scatter_add(dim, index, src.to(x.dtype))
+        count = torch.zeros_like(x).scatter_add(dim, index, torch.ones_like(index, dtype=x.dtype)) + int(include_self)
+        count = count.clamp(min=1)  # an untouched slot keeps x (count 0 without self)
+        mean = total / count if x.dtype.is_floating_point else total.div(count, rounding_mode="floor")
+        return torch.where(touched, mean, x)
+    if reduce in ("amax", "amin") and not include_self and x.dtype.is_floating_point:
+        touched = torch.zeros_like(x, dtype=torch.bool).scatter(dim, index, True)
+        identity = float("-inf") if reduce == "amax" else float("inf")
+        return x.masked_fill(touched, identity).scatter_reduce(dim, index, src, reduce, include_self=True)
+    return NotImplemented
+
+
+def _arange(*args: Any, dtype: torch.dtype | None = None, layout: Any = None, device: Any = None,
+            pin_memory: Any = None) -> Any:
+    """``arange`` with a float bound or step (or a float64 result) as eager computes it: the
+    length ``ceil((end - start) / step)`` and every value ``start + i * step`` in double,
+    then cast. onnxscript's translation runs ONNX Range in float32: arange(0.5, 3.2, 0.3)
+    had 9 values (eager 10), and float64 ranges float32's rounding."""
+    start, end, step = (0, args[0], 1) if len(args) == 1 else (*args, 1)[:3]
+    if any(isinstance(v, (torch.SymInt, torch.SymFloat)) for v in (start, end, step)):
+        return NotImplemented
+    floats = any(isinstance(v, float) for v in (start, end, step))
+    result = dtype or (torch.get_default_dtype() if floats else torch.int64)
+    if not floats and result != torch.float64:
+        return NotImplemented
+    n = max(0, math.ceil((end - start) / step))
+    # (the float64 scalars stay exact: see _exact_float64_scalars)
+    values = torch.arange(n, dtype=torch.int64, device=device).to(torch.float64) * float(step) + float(start)
+    return values.to(result)
+
+
+def _in_float32(op: Any) -> Callable[..., Any]:
+    """``op`` on a float16 / bfloat16 tensor computed in float32 and rounded back, as eager's
+    CPU kernels compute it (ONNX Runtime's float16 ReduceLogSumExp overflowed past ~709)."""
+
+    def upcast(x: Any, *args: Any, **kwargs: Any) -> Any:
+        if x.dtype not in (torch.float16, torch.bfloat16):
+            return NotImplemented
+        return op(x.float(), *args, **kwargs).to(x.dtype)
+
+    return upcast
+
+
+def _log1p(x: Any) -> Any:
+    """log(1 + x) without losing x near 0 (onnxscript: Log(x + 1), 0 for x = 1e-8): the
+    classic correction log(u) * x / (u - 1) with u = 1 + x; float16 / bfloat16 in float32."""
+    if not x.dtype.is_floating_point:
+        return NotImplemented
+    y = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    u = 1 + y
+    out = torch.where(u == 1, y, torch.where(torch.isinf(u), torch.log(u), torch.log(u) * y / (u - 1)))
+    return out.to(x.dtype)
+
+
+def _expm1(x: Any) -> Any:
+    """exp(x) - 1 without losing x near 0 (onnxscript: Exp(x) - 1): (u - 1) * x / log(u)
+    with u = exp(x); float16 / bfloat16 in float32."""
+    if not x.dtype.is_floating_point:
+        return NotImplemented
+    y = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    u = torch.exp(y)
+    um1 = u - 1
+    out = torch.where(u == 1, y, torch.where(um1 == -1, um1, torch.where(torch.isinf(u), u, um1 * y / torch.log(u))))
+    return out.to(x.dtype)
+
+
 _aten = torch.ops.aten
 #: Ops whose onnxscript translation disagrees with eager, decomposed in the aten trace.
 TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
+    _aten.scatter_reduce.two: _scatter_reduce,
+    _aten.arange.default: _arange,
+    _aten.arange.start: _arange,
+    _aten.arange.start_step: _arange,
+    _aten.logsumexp.default: _in_float32(_aten.logsumexp.default),
+    _aten.log1p.default: _log1p,
+    _aten.expm1.default: _expm1,
     _aten.amax.default: _reduce_all_dims(_aten.amax.default),
     _aten.amin.default: _reduce_all_dims(_aten.amin.default),
     _aten.floor_divide.default: _floor_divide,
@@ -1396,11 +1477,53 @@ def aten_graph(
                 raise _SizeBranchError("(trace)", f"size guards {unproven} do not follow from Dynamo's")
             gm.meta["size_assumptions"] = implied
     _expand_sym_numel(gm)
+    _exact_float64_scalars(gm)
     for node in gm.graph.nodes:
         node.meta.setdefault("nn_module_stack", {})  # the translator records it per node
         if node.op == "get_attr":  # a tensor constant: translate its real value
             node.meta["val"] = operator.attrgetter(node.target)(gm)
     return gm
+
+
+def _exact_float64_scalars(gm: fx.GraphModule) -> None:
+    """Python float operands of float64 ops as float64 tensor constants. The translation
+    emits a Python float as a float32 constant and casts it, so ``x * 0.1`` on a float64
+    ``x`` multiplied by 0.10000000149011612 (eager: 0.1)."""
+    count = 0
+
+    def constant(value: float, before: fx.Node) -> fx.Node:
+        nonlocal count
+        name = f"_qaic_float64_scalar_{count}"
+        count += 1
+        gm.register_buffer(name, torch.tensor(value, dtype=torch.float64))
+        with gm.graph.inserting_before(before):
+            return gm.graph.get_attr(name)
+
+    for node in list(gm.graph.nodes):
+        val = node.meta.get("val")
+        if (node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload)
+                or not isinstance(val, torch.Tensor) or val.dtype != torch.float64):
+            continue
+        if node.target is _aten.scalar_tensor.default and isinstance(node.args[0], float):
+            # type promotion wraps a scalar operand so (then translated the same way)
+            node.replace_all_uses_with(constant(node.args[0], node))
+            gm.graph.erase_node(node)
+            continue
+        if node.target is _aten.full.default and isinstance(node.args[1], float):
+            fill = constant(node.args[1], node)
+            with gm.graph.inserting_before(node):
+                filled = gm.graph.call_function(_aten.expand.default, (fill, list(node.args[0])))
+            filled.meta["val"] = val
+            node.replace_all_uses_with(filled)
+            gm.graph.erase_node(node)
+            continue
+        args = list(node.args)
+        for i, (param, a) in enumerate(zip(node.target._schema.arguments, node.args)):
+            if isinstance(a, float) and isinstance(param.type, torch.TensorType):
+                args[i] = constant(a, node)
+        node.args = tuple(args)
+    if count:
+        gm.recompile()
 
 
 def insert_type_promotion(gm: fx.GraphModule) -> None:
@@ -1608,7 +1731,7 @@ def _guards_not_implied(fakes: Sequence[torch.Tensor], shape_env: Any, dynamo_si
                 axioms = dynamo_env.get_axioms()
             if not _implied(theirs, dynamo_env, axioms):
                 unproven.append(str(expr))
-            elif implied is not None:
+            elif implied is not None and theirs not in (True, sympy.true):  # true of any sizes: nothing to check
                 implied.append(theirs)
         return unproven
     except Exception as e:  # a private API moved: prove nothing

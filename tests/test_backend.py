@@ -673,6 +673,47 @@ def test_division_and_remainder_give_eagers_values(case):
     torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
 
 
+_IDX = torch.tensor([[0, 0, 1], [1, 1, 1]])
+_SRC = torch.tensor([[1.0, 2, 3], [4, 5, 6]])
+_NEG_INF = torch.full((2, 3), float("-inf"))
+_LSE = torch.tensor([[-1000.0, -1000], [800, 799], [-60000, -60000], [10, 11]], dtype=torch.float16)
+_SMALL = torch.tensor([1e-8, 1e-6, -1e-7, 1e-3, 0.5, -0.5, 20.0, -1.0])
+#: ops whose onnxscript translation gave other values than eager, silently (found by review):
+#: name -> (fn, args, rtol); rtol 0 is exact.
+OPSCRIPT_DIFFERENCES = {
+    # "mean" scattered without reducing (last write won)
+    "scatter_mean": (lambda x, i, s: x.scatter_reduce(0, i, s, "mean"), (torch.ones(2, 3), _IDX, _SRC), 0),
+    "scatter_mean_without_self": (lambda x, i, s: x.scatter_reduce(0, i, s, "mean", include_self=False),
+                                  (torch.ones(2, 3), _IDX, _SRC), 0),
+    "scatter_mean_int": (lambda x, i, s: x.scatter_reduce(0, i, s, "mean"), (torch.ones(2, 3, dtype=torch.long), _IDX,
+                                                                          _SRC.long()), 0),
+    # -inf came back as -3.4e38
+    "scatter_amax_of_inf": (lambda x, i, s: x.scatter_reduce(0, i, s, "amax", include_self=False),
+                            (torch.zeros(2, 3), _IDX, _NEG_INF), 0),
+    "scatter_amin_of_inf": (lambda x, i, s: x.scatter_reduce(0, i, s, "amin", include_self=False),
+                            (torch.zeros(2, 3), _IDX, -_NEG_INF), 0),
+    # ONNX Range in float32: 9 values, not 10; float64 values rounded like float32
+    "arange_float_step": (lambda x: x * torch.arange(0.5, 3.2, 0.3).sum(), (torch.ones(1),), 1e-6),  # 15.3 for 18.5
+    "arange_float32": (lambda x: x + torch.arange(0, 1, 0.1), (torch.zeros(10),), 0),
+    "arange_float64": (lambda x: x + torch.arange(0, 1, 0.1, dtype=torch.float64), (torch.zeros(10, dtype=torch.float64),), 0),
+    # a Python float operand of a float64 op was a float32 constant: x * 0.10000000149
+    "float64_scalar": (lambda x: x * 0.1 + torch.full((4,), 0.3, dtype=torch.float64), (torch.arange(4.0).double(),), 0),
+    # ONNX Runtime's float16 ReduceLogSumExp overflowed to +-inf
+    "logsumexp_float16": (lambda x: torch.logsumexp(x, -1), (_LSE,), 0),
+    # Log(1 + x) and Exp(x) - 1 gave 0 for 1e-8 (one float32 ulp apart from eager's libm)
+    "log1p": (lambda x: torch.log1p(x), (_SMALL,), 3e-7),
+    "expm1": (lambda x: torch.expm1(x), (_SMALL,), 3e-7),
+}
+
+
+@pytest.mark.parametrize("case", OPSCRIPT_DIFFERENCES.values(), ids=OPSCRIPT_DIFFERENCES.keys())
+def test_ops_onnxscript_translates_otherwise_give_eagers_values(case):
+    fn, args, rtol = case
+    out, expected = lowered_and_eager(fn, *args)
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    torch.testing.assert_close(out, expected, rtol=rtol, atol=0)
+
+
 @pytest.mark.parametrize("fn", [lambda x: x.amax() * 2, lambda x: x.amin(keepdim=True) + x,
                                 lambda x: x[0, 0].amax() * 2, lambda x: x.int().amax(0) * 2])
 def test_a_reduction_over_every_dim_is_lowered(fn):
@@ -792,6 +833,23 @@ def _pool_doubled(a):
 
 def _pool_in_range(a):  # Dynamo guards 9 <= n <= 10, under which the pooling's branch holds
     return _pool_doubled(a) if 9 <= a.shape[-1] <= 10 else a
+
+
+def test_a_size_guard_true_of_every_size_is_no_assumption():
+    # A trace guard that Dynamo's symbols make trivially true was recorded as "True",
+    # which parsed to a Python bool: every dynamic scatter_add / gather piece failed its
+    # own check through the whole chain and ran eagerly (found by review).
+    def f(x, i, s):
+        return x.scatter_add(0, i, s) * 2
+
+    g = torch.Generator().manual_seed(0)
+    compiled = torch.compile(f, backend="qaic", dynamic=True, options={"fallback": "error"})
+    with compilation_counter.expect(num_backend_compilations=1, num_eager_fallbacks=0):
+        for n in (5, 7, 9):
+            x, i, s = torch.zeros(n, 3), torch.randint(0, n, (4, 3), generator=g), torch.ones(4, 3)
+            torch.testing.assert_close(compiled(x, i, s), f(x, i, s))
+    layout = json.loads((Path(last_compile_report().pieces[0].artifact) / LAYOUT_FILE).read_text())
+    assert "True" not in layout["size_assumptions"]
 
 
 @pytest.mark.filterwarnings("ignore:.*branches on a dynamic size")
