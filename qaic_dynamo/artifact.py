@@ -279,8 +279,11 @@ def load(path: Path, num_threads: int | None = None) -> Artifact:
     session = None
     if layout.has_model:
         try:
+            # EliminateDropout removes every Dropout whose mask is unused, training_mode or
+            # not: a training-mode piece from the exporter lost its dropout.
             session = ort.InferenceSession(
-                str(path / ONNX_FILE), sess_options=session_options(threads), providers=["CPUExecutionProvider"]
+                str(path / ONNX_FILE), sess_options=session_options(threads), providers=["CPUExecutionProvider"],
+                disabled_optimizers=["EliminateDropout"],
             )
         except Exception as e:
             raise ArtifactError(f"ONNX Runtime could not load {path / ONNX_FILE}: {str(e).splitlines()[0]}") from e

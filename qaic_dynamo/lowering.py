@@ -1164,6 +1164,8 @@ def _masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     translation fails the checker or has no ONNX Runtime CPU kernel for either)."""
     if getattr(_reentry, "attention", False):
         return NotImplemented
+    if dropout_p:
+        return _attention_with_dropout(query, key, value, dropout_p, is_causal, attn_mask, scale)
     grouped = query.dim() == 4 and key.shape[1] != query.shape[1]
     wide = query.dtype == torch.bfloat16  # ONNX Runtime's CPU kernels lack bfloat16 Sqrt / MatMul
     if attn_mask is None and not grouped and not wide:
@@ -1189,13 +1191,37 @@ def _masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return (out.to(dtype), *rest)
 
 
+def _attention_with_dropout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float,
+                            is_causal: bool, attn_mask: torch.Tensor | None, scale: float | None) -> Any:
+    """Attention with dropout on its weights (training mode), written out: the translation's
+    Dropout has no ``training_mode`` (the identity, by ONNX's definition), so the weights
+    were never dropped. Dropout draws from ONNX Runtime's generator, as ``F.dropout`` in a
+    lowered piece does."""
+    if query.dim() == 4 and key.shape[1] != query.shape[1]:
+        key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+        value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
+    dtype = query.dtype
+    query, key, value = query.float(), key.float(), value.float()
+    factor = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    scores = query @ key.transpose(-2, -1) * factor
+    if is_causal:
+        keep = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    dead = (scores == float("-inf")).all(-1, keepdim=True)  # eager's kernel gives such rows zeros
+    weights = torch.softmax(scores, -1).masked_fill(dead, 0)
+    out = torch.nn.functional.dropout(weights, dropout_p, training=True) @ value
+    return out.to(dtype), torch.logsumexp(scores, -1)
+
+
 def _open_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
                dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
                enable_gqa: bool = False) -> Any:
     """sdpa as its CPU kernel runs it in inference: the flash op, a bool mask made a float
     one, which :func:`_masked_attention` then gives eager's masked rows (the exporter path,
     where torch.export keeps sdpa whole)."""
-    if dropout_p != 0.0 or query.dim() != 4:
+    if query.dim() != 4:
         return NotImplemented
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))

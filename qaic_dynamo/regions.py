@@ -207,6 +207,15 @@ class CompiledRegion(nn.Module):
             self.dispatch.after_dynamo(breaks)
         return out
 
+    def __getstate__(self) -> Any:
+        # copy.deepcopy and pickle reach the torch.compile wrapper and Dynamo's modules
+        # ("cannot pickle 'module' object"); say what works instead.
+        raise TypeError(
+            "a model compiled with qaic_dynamo.compile holds compiled code, which cannot be copied or pickled; "
+            "deepcopy or torch.save the model before compiling it and compile the copy, or save its state_dict "
+            "(it loads into the compiled model and back)"
+        )
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)

@@ -835,6 +835,47 @@ def _pool_in_range(a):  # Dynamo guards 9 <= n <= 10, under which the pooling's 
     return _pool_doubled(a) if 9 <= a.shape[-1] <= 10 else a
 
 
+class _DropoutWithLiteral(nn.Module):
+    """Training-mode dropout in a piece the exporter lowers (a tensor literal sends it there)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.drop = nn.Linear(64, 64), nn.Dropout(0.5)
+        nn.init.eye_(self.lin.weight)
+        nn.init.zeros_(self.lin.bias)
+
+    def forward(self, x):
+        return self.drop(self.lin(x)) + torch.tensor([0.0])
+
+
+def _attention_dropout(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("case", ["exporter_dropout", "attention_dropout"])
+def test_dropout_in_training_mode_drops(case):
+    # ONNX Runtime's EliminateDropout removed the exporter's training-mode Dropout, and
+    # sdpa's dropout_p was translated as ONNX Dropout without training_mode (the identity):
+    # both gave the no-dropout values, silently (found by review).
+    g = torch.Generator().manual_seed(0)
+    if case == "exporter_dropout":
+        fn, args = _DropoutWithLiteral().train(), (torch.ones(64, 64),)
+        with torch.no_grad():  # the mask unused: what ONNX Runtime's optimizer removed
+            out = torch.compile(fn, backend="qaic")(*args)
+        assert last_compile_report().pieces[0].exporter_fallback  # the path under test
+        kept = out != 0
+        assert 0.4 < kept.float().mean() < 0.6 and torch.equal(out[kept], torch.full_like(out[kept], 2.0))
+    else:
+        q, k, v = (torch.randn(1, 2, 64, 16, generator=g) for _ in range(3))
+        out = torch.compile(_attention_dropout, backend="qaic")(q, k, v)
+        assert not last_compile_report().pieces[0].runs_eagerly
+        plain = F.scaled_dot_product_attention(q, k, v)
+        assert not torch.allclose(out, plain, atol=1e-3) and torch.isfinite(out).all()
+        # unbiased: over 64 x 64 weights per row the drops average out
+        torch.testing.assert_close(out.mean(), plain.mean(), atol=0.05, rtol=0)
+
+
 def test_a_size_guard_true_of_every_size_is_no_assumption():
     # A trace guard that Dynamo's symbols make trivially true was recorded as "True",
     # which parsed to a Python bool: every dynamic scatter_add / gather piece failed its

@@ -222,6 +222,19 @@ def test_state_dict_keys_survive_regional_compile():
     assert model.lm_head.module.weight.equal(other.lm_head.weight)
 
 
+def test_copying_or_pickling_a_compiled_model_says_what_works(tmp_path):
+    # It failed deep inside pickle ("cannot pickle 'module' object"; found by review).
+    import copy
+
+    model = llama(2)
+    qaic_dynamo.compile(model)
+    for copier in (copy.deepcopy, lambda m: torch.save(m, tmp_path / "m.pt")):
+        with pytest.raises(TypeError, match="deepcopy or torch.save the model before compiling it"):
+            copier(model)
+    torch.save(model.state_dict(), tmp_path / "sd.pt")  # what works instead
+    model.load_state_dict(torch.load(tmp_path / "sd.pt"))
+
+
 @pytest.mark.parametrize("L", [2, 4])
 def test_a_block_runner_keeps_every_layers_weights_bound(L):
     """One runner serves every layer of the block; it keeps one binding per layer (the
