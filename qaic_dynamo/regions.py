@@ -146,8 +146,20 @@ def region_config() -> Any:
     model: Dynamo's fake-value propagation 0.72 -> 0.36 s and the first call 2.95 -> 2.57 s
     at 2 layers. Not for a whole-model compile, whose repeated layers do hit the cache:
     at 32 layers its first call took 16.9 s without against 15.3 s with it.
+
+    And a recompile limit of :data:`REGION_RECOMPILE_LIMIT` entries per code object, not
+    Dynamo's 8: transformers wraps every decoder layer class's ``forward`` in one function
+    (``forward_with_checkpointing``), so the blocks of every model a process compiles share
+    that code object's cache - the ninth model's layers (another size, another eps) ran
+    eagerly, with nothing but Dynamo's log line to say so.
     """
-    return torch._dynamo.config.patch(specialize_float=True, fake_tensor_cache_enabled=False)
+    return torch._dynamo.config.patch(specialize_float=True, fake_tensor_cache_enabled=False,
+                                      recompile_limit=max(REGION_RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit))
+
+
+#: Compiled entries one region code object may hold (see :func:`region_config`); past it
+#: a region runs eagerly, with a warning.
+REGION_RECOMPILE_LIMIT = 64
 
 
 def _tensors(values: Any) -> Iterator[torch.Tensor]:
@@ -504,6 +516,13 @@ class GuardedDispatch:
         missed, self._thread.miss = getattr(self._thread, "miss", None), None
         if missed is not None and len(self._internals.cache_entries(self.code, self.isolate_recompiles_id)) <= missed:
             DYNAMO_SKIPPED.add(self.code)
+            if missed >= torch._dynamo.config.recompile_limit:
+                from qaic_dynamo.runtime import warn_fallback
+
+                warn_fallback(f"region code {self.code.co_name}",
+                              f"Dynamo's recompile limit ({missed} compiled entries for this code object, "
+                              "shared by every model of this block class in the process) was reached; "
+                              "torch._dynamo.reset() clears them")
         elif graph_breaks_before >= 0 and self.graph_breaks() > graph_breaks_before:
             DYNAMO_SKIPPED.add(self.code)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from contextlib import nullcontext
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -339,6 +340,33 @@ def compiled_stack(layers=2, **options):
     qaic_dynamo.compile(model, **options)
     x = torch.randn(4, 8)
     return model, ref, x
+
+
+def test_more_models_of_one_block_class_than_dynamos_recompile_limit_all_compile(monkeypatch):
+    # Models of one block class share its forward's code object (transformers: every decoder
+    # class shares forward_with_checkpointing); past Dynamo's limit of 8 entries the next
+    # model's layers ran eagerly with no qaic warning and no fallback counted (found by review).
+    from qaic_dynamo import regions
+
+    with torch.no_grad():
+        for width in range(8, 8 + 2 * 10, 2):  # ten shapes: ten entries for Scaled.forward
+            model = Stack(2, width)
+            x = torch.randn(3, width)
+            want = model(x)
+            qaic_dynamo.compile(model, cache=False)
+            with compilation_counter.expect(num_eager_fallbacks=0, num_graphs_seen=2):  # inp and the block
+                torch.testing.assert_close(model(x), want)
+        # Past the region limit it is said, and counted.
+        monkeypatch.setattr(regions, "REGION_RECOMPILE_LIMIT", 2)
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(recompile_limit=2):
+            for width in (8, 10, 12):
+                model = Stack(2, width)
+                x = torch.randn(3, width)
+                want = model(x)
+                qaic_dynamo.compile(model, cache=False)
+                with pytest.warns(RuntimeWarning, match="Dynamo's recompile limit") if width == 12 else nullcontext():
+                    torch.testing.assert_close(model(x), want)
 
 
 def test_blocks_run_dynamos_code_after_its_guards_pass():
