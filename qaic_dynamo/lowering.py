@@ -1317,8 +1317,8 @@ def _arange(*args: Any, dtype: torch.dtype | None = None, layout: Any = None, de
         return NotImplemented
     floats = any(isinstance(v, float) for v in (start, end, step))
     result = dtype or (torch.get_default_dtype() if floats else torch.int64)
-    if not floats and result != torch.float64:
-        return NotImplemented
+    if not result.is_floating_point or (not floats and result != torch.float64):
+        return NotImplemented  # an integer result truncates the bounds first, as the translation does
     n = max(0, math.ceil((end - start) / step))
     # (the float64 scalars stay exact: see _exact_float64_scalars)
     values = torch.arange(n, dtype=torch.int64, device=device).to(torch.float64) * float(step) + float(start)
@@ -1344,7 +1344,8 @@ def _log1p(x: Any) -> Any:
         return NotImplemented
     y = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     u = 1 + y
-    out = torch.where(u == 1, y, torch.where(torch.isinf(u), torch.log(u), torch.log(u) * y / (u - 1)))
+    # divided first: log(u) * y overflows for y past ~3.8e36 in float32
+    out = torch.where(u == 1, y, torch.where(torch.isinf(u), torch.log(u), torch.log(u) * (y / (u - 1))))
     return out.to(x.dtype)
 
 
@@ -1356,7 +1357,8 @@ def _expm1(x: Any) -> Any:
     y = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     u = torch.exp(y)
     um1 = u - 1
-    out = torch.where(u == 1, y, torch.where(um1 == -1, um1, torch.where(torch.isinf(u), u, um1 * y / torch.log(u))))
+    # divided first: (u - 1) * y overflows for x past ~84 in float32
+    out = torch.where(u == 1, y, torch.where(um1 == -1, um1, torch.where(torch.isinf(u), u, um1 * (y / torch.log(u)))))
     return out.to(x.dtype)
 
 

@@ -154,12 +154,17 @@ def region_config() -> Any:
     eagerly, with nothing but Dynamo's log line to say so.
     """
     return torch._dynamo.config.patch(specialize_float=True, fake_tensor_cache_enabled=False,
-                                      recompile_limit=max(REGION_RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit))
+                                      recompile_limit=region_recompile_limit())
 
 
 #: Compiled entries one region code object may hold (see :func:`region_config`); past it
 #: a region runs eagerly, with a warning.
 REGION_RECOMPILE_LIMIT = 64
+
+
+def region_recompile_limit() -> int:
+    """The recompile limit a region compiles under: ours, or Dynamo's if that is higher."""
+    return max(REGION_RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
 
 
 def _tensors(values: Any) -> Iterator[torch.Tensor]:
@@ -516,7 +521,7 @@ class GuardedDispatch:
         missed, self._thread.miss = getattr(self._thread, "miss", None), None
         if missed is not None and len(self._internals.cache_entries(self.code, self.isolate_recompiles_id)) <= missed:
             DYNAMO_SKIPPED.add(self.code)
-            if missed >= torch._dynamo.config.recompile_limit:
+            if missed >= region_recompile_limit():  # not a skip (a dispatch mode, Dynamo disabled)
                 from qaic_dynamo.runtime import warn_fallback
 
                 warn_fallback(f"region code {self.code.co_name}",

@@ -348,6 +348,12 @@ def test_more_models_of_one_block_class_than_dynamos_recompile_limit_all_compile
     # model's layers ran eagerly with no qaic warning and no fallback counted (found by review).
     from qaic_dynamo import regions
 
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class PassThrough(TorchDispatchMode):  # Dynamo skips frames under a dispatch mode
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
     with torch.no_grad():
         for width in range(8, 8 + 2 * 10, 2):  # ten shapes: ten entries for Scaled.forward
             model = Stack(2, width)
@@ -356,6 +362,9 @@ def test_more_models_of_one_block_class_than_dynamos_recompile_limit_all_compile
             qaic_dynamo.compile(model, cache=False)
             with compilation_counter.expect(num_eager_fallbacks=0, num_graphs_seen=2):  # inp and the block
                 torch.testing.assert_close(model(x), want)
+        # A miss Dynamo skips is no limit reached (the check read Dynamo's 8 outside the region's config).
+        with compilation_counter.expect(num_eager_fallbacks=0), PassThrough():
+            model(torch.randn(5, width))
         # Past the region limit it is said, and counted.
         monkeypatch.setattr(regions, "REGION_RECOMPILE_LIMIT", 2)
         torch._dynamo.reset()
