@@ -1337,6 +1337,18 @@ def _in_float32(op: Any) -> Callable[..., Any]:
     return upcast
 
 
+def _layer_norm_in_float32(x: Any, shape: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Any:
+    """float16 / bfloat16 ``native_layer_norm`` in float32, rounded back (as eager's CPU
+    kernel accumulates): the translation's LayerNormalization stashes mean and rstd in
+    float32 while the graph declares them float16, which fails the ONNX checker - every
+    float16 LayerNorm piece ran eagerly."""
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return NotImplemented
+    widen = (lambda t: t.float() if t is not None else None)
+    out, mean, rstd = _aten.native_layer_norm.default(x.float(), shape, widen(weight), widen(bias), eps)
+    return out.to(x.dtype), mean.to(x.dtype), rstd.to(x.dtype)
+
+
 def _log1p(x: Any) -> Any:
     """log(1 + x) without losing x near 0 (onnxscript: Log(x + 1), 0 for x = 1e-8): the
     classic correction log(u) * x / (u - 1) with u = 1 + x; float16 / bfloat16 in float32."""
@@ -1371,6 +1383,7 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
     _aten.arange.start_step: _arange,
     _aten.logsumexp.default: _in_float32(_aten.logsumexp.default),
     _aten.log1p.default: _log1p,
+    _aten.native_layer_norm.default: _layer_norm_in_float32,
     _aten.expm1.default: _expm1,
     _aten.amax.default: _reduce_all_dims(_aten.amax.default),
     _aten.amin.default: _reduce_all_dims(_aten.amin.default),
