@@ -1429,7 +1429,11 @@ def fake_inputs(example: Sequence[torch.Tensor], dynamic_shapes: Sequence[dict[i
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-    mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=duck_shape))
+    # Real tensors reach this mode only as a piece's tensor constants (a Dynamo get_attr,
+    # e.g. transformers' DynamicCache starts each layer from ``torch.tensor([])``): every
+    # input is made fake below. Allowed, they are traced as constants of the aten graph,
+    # translated to initializers (their bytes are in the piece's fingerprint).
+    mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=duck_shape), allow_non_fake_inputs=True)
     # Without the fake-tensor dispatch cache: a piece is traced once, so an entry is almost
     # never hit again, and building one with symbolic sizes (validating and re-deriving
     # the output's sizes and strides as sympy expressions) costs more than running the

@@ -68,6 +68,30 @@ def test_family_matches_eager_and_transformers(family, layers, regional):
         [[7], [8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18, 19]], 3)
 
 
+@pytest.mark.parametrize("layers", [2, 4])
+def test_hf_generate_with_a_compiled_forward(layers):
+    """How transformers users compile: ``torch.compile`` on the model's forward, then
+    ``generate`` with its own DynamicCache (use_cache=True). Every graph is lowered
+    directly: the cache's ``torch.tensor([])`` seeds are constants of the pieces."""
+    hf = hf_model_from_config(FAMILIES["llama"](layers))
+    prompt = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        want = hf.generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+        want_step = hf(prompt)
+        hf.forward = torch.compile(hf.forward, backend="qaic", options={"fallback": "error"})
+        try:
+            with compilation_counter.expect(num_exporter_fallbacks=0, num_eager_fallbacks=0):
+                step = hf(prompt)
+                got = hf.generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+        finally:
+            del hf.forward
+    assert got.tolist() == want.tolist()
+    torch.testing.assert_close(step.logits, want_step.logits, atol=1e-4, rtol=0)
+    for c, e in zip(step.past_key_values.layers, want_step.past_key_values.layers):
+        torch.testing.assert_close(c.keys, e.keys, atol=1e-5, rtol=0)
+        torch.testing.assert_close(c.values, e.values, atol=1e-5, rtol=0)
+
+
 def test_per_layer_names_compile_every_layer():
     hf = hf_model_from_config(FAMILIES["llama"](3))
     with compilation_counter.expect(num_backend_compilations=4):  # L + 1 pieces, all distinct

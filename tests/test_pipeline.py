@@ -472,6 +472,29 @@ def test_every_piece_is_lowered_directly():
         assert set(stats["seconds"]) == {"prepare", "aten_trace", "translate", "checks", "save"}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_tensor_constant_is_lowered_directly(dtype):
+    # A tensor made in the compiled code is a get_attr constant of the piece. The direct
+    # path's fake mode refused the real tensor, so every such piece went to the exporter
+    # (transformers' DynamicCache starts each layer from torch.tensor([]): every whole-model
+    # HF compile with use_cache=True did).
+    def fn(x):
+        return x * torch.tensor([1.5, -2.25], dtype=dtype) + torch.cat([torch.tensor([], dtype=dtype), x[0]])
+
+    x = torch.randn(3, 2, dtype=dtype)
+    with compilation_counter.expect(num_backend_compilations=1, num_onnx_exports=1, num_exporter_fallbacks=0,
+                                    num_eager_fallbacks=0):
+        out = torch.compile(fn, backend="qaic", options={"fallback": "error"})(x)
+    if dtype == torch.float16:
+        # ONNX Runtime's CPU runs float16 Mul/Add in float32 and drops the casts between
+        # them, so the chain is rounded once (docs/usage.md); eager rounds each op.
+        want = (x.float() * torch.tensor([1.5, -2.25]) + x[0].float()).half()
+    else:
+        want = fn(x)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert last_compile_report().pieces[0].exporter_fallback is None
+
+
 def test_pieces_take_dynamos_fake_values_which_equal_fake_tensor_propagation(monkeypatch):
     # prepare() reads every node's value from Dynamo's meta["example_value"] instead of
     # re-running the piece on fakes; both must give the same value for every node.
