@@ -49,7 +49,7 @@ from qaic_dynamo.partition import Piece, PieceKind, SplitReason, split_graph
 from qaic_dynamo.runtime import PieceRunner, qaic_compile, qaic_sdk_available, warn_fallback
 
 __all__ = [
-    "GraphReport", "PieceReport", "QaicBackend", "collector_paused", "compile_reports", "last_compile_report", "qaic_backend",
+    "GraphReport", "PerFloatValue", "PieceReport", "QaicBackend", "collector_paused", "compile_reports", "last_compile_report", "qaic_backend",
 ]
 
 logger = logging.getLogger("qaic_dynamo")
@@ -92,6 +92,9 @@ class GraphReport:
     config_hash: str
     pieces: list[PieceReport] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+    # Inputs carrying a Python float Dynamo left dynamic, compiled at these values
+    # (:class:`PerFloatValue`): input name -> value.
+    specialized_floats: dict[str, float] = field(default_factory=dict)
     # The split graph this report describes (weak: a report must not keep sessions alive).
     _module: Any = field(default=None, repr=False, compare=False)
 
@@ -128,7 +131,9 @@ class GraphReport:
         lines = [
             f"qaic graph {self.graph_index}: {len(self.pieces)} pieces, {self.unique_compiled} compiled, "
             f"{self.reused} reused, {self.disk_hits} from disk, {self.failed} failed; "
-            + ", ".join(f"{k} {v:.3f}s" for k, v in self.seconds.items()),
+            + ", ".join(f"{k} {v:.3f}s" for k, v in self.seconds.items())
+            + (f"; compiled for the values of {len(self.specialized_floats)} dynamic float input(s)"
+               if self.specialized_floats else ""),
             f"{'#':>3} {'piece':<10} {'kind':<10} {'key':<12} {'source':<7} {'seconds':>8}  why",
         ]
         for p in self.pieces:
@@ -140,7 +145,8 @@ class GraphReport:
 
     def to_json(self) -> dict[str, Any]:
         pieces = [dict(asdict(p), reused=p.reused, why=p.why) for p in self.pieces]
-        return {"graph_index": self.graph_index, "config_hash": self.config_hash, "pieces": pieces, "seconds": self.seconds}
+        return {"graph_index": self.graph_index, "config_hash": self.config_hash, "pieces": pieces, "seconds": self.seconds,
+                "specialized_floats": self.specialized_floats}
 
 
 _reports: list[GraphReport] = []
@@ -267,13 +273,19 @@ class QaicBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         # The grad mode the graph runs in (Dynamo guards it), read before any lowering:
         # tracing a piece runs its grad-mode switches, and lowering keeps to this mode.
-        with collector_paused():
-            return self._compile_graph(gm, example_inputs, torch.is_grad_enabled())
-
-    def _compile_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any], grad_mode: bool) -> Callable[..., Any]:
-        t_start = time.perf_counter()
+        grad_mode = torch.is_grad_enabled()
         compilation_counter.bump(num_graphs_seen=1)
+        with collector_paused():
+            floats = dynamic_float_inputs(gm, example_inputs)
+            if floats:
+                return PerFloatValue(self, gm, example_inputs, floats, grad_mode)
+            return self._compile_graph(gm, example_inputs, grad_mode)
+
+    def _compile_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any], grad_mode: bool,
+                       floats: dict[str, float] | None = None) -> Callable[..., Any]:
+        t_start = time.perf_counter()
         report = _new_report(self.config_hash)
+        report.specialized_floats = dict(floats or {})
 
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         example_values = [
@@ -401,6 +413,108 @@ class QaicBackend:
                 (out / f"{stem}.onnx").write_bytes(model.read_bytes())
         (out / "summary.json").write_text(json.dumps(report.to_json(), indent=1))
         (out / "report.txt").write_text(report.table() + "\n")
+
+
+# --- Python floats Dynamo left dynamic ------------------------------------------------------
+
+MAX_FLOAT_VARIANTS = 8  # values compiled per graph before the rest run eagerly (Dynamo's own limit)
+
+
+def dynamic_float_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[int, float]:
+    """Graph inputs that carry a Python float Dynamo did not specialise, by position, with
+    the example's value.
+
+    Under ``dynamic=True`` (or once a float changed between two compiles of one code
+    object, e.g. two models of one class with different ``eps``) Dynamo passes the float as
+    a 0-d tensor and reads it back with ``item()``. ONNX has no symbolic floats, so a piece
+    that uses the number as a number (an attention ``scale``, ``x.add(eps)``) could not be
+    lowered and ran eagerly. Only inputs read solely through ``item()`` with a real example
+    value count."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    found = {}
+    for i, (node, example) in enumerate(zip(placeholders, example_inputs)):
+        if (isinstance(example, torch.Tensor) and not isinstance(example, FakeTensor) and example.dim() == 0
+                and example.is_floating_point() and node.users
+                and all(u.op == "call_method" and u.target == "item" for u in node.users)):
+            found[i] = example.item()
+    return found
+
+
+def specialize_floats(gm: fx.GraphModule, values: dict[int, float]) -> None:
+    """Put each value in place of its input's ``item()`` reads (the input stays, unused)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for position, value in values.items():
+        for item in list(placeholders[position].users):
+            for user in list(item.users):
+                user.args = fx.node.map_arg(user.args, lambda n, item=item, value=value: value if n is item else n)
+                user.kwargs = fx.node.map_arg(user.kwargs, lambda n, item=item, value=value: value if n is item else n)
+            gm.graph.erase_node(item)
+    gm.recompile()
+
+
+def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule over a copy of ``gm``'s graph (node meta copied shallowly, so
+    Dynamo's fake values are shared, not cloned)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
+
+
+def _float_key(value: float) -> str:
+    return value.hex()  # exact, and NaN and -0.0 are keys of their own
+
+
+class PerFloatValue:
+    """A graph with dynamic float inputs, compiled once per value those floats take.
+
+    Each compile puts the values in as constants (as ``specialize_float=True`` would have
+    Dynamo do), and every call reads the floats (one ``item()`` each) to pick the variant
+    compiled for them - a value not seen yet compiles its own, from a pristine copy of the
+    graph - so no call is served an artifact built for another value. Past
+    :data:`MAX_FLOAT_VARIANTS` values the graph runs eagerly for the new ones, with a
+    warning."""
+
+    def __init__(self, backend: QaicBackend, gm: fx.GraphModule, example_inputs: Sequence[Any],
+                 floats: dict[int, float], grad_mode: bool) -> None:
+        self.backend = backend
+        self.grad_mode = grad_mode
+        self.positions = tuple(floats)
+        self.pristine = _copy_graph_module(gm)  # before the first variant rewrites gm
+        self._names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        self._lock = threading.Lock()
+        self._warned = False
+        self.variants: dict[tuple[str, ...], Callable[..., Any]] = {}
+        self.variants[tuple(_float_key(v) for v in floats.values())] = self._compile(gm, example_inputs, floats)
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], floats: dict[int, float]) -> Callable[..., Any]:
+        specialize_floats(gm, floats)
+        return self.backend._compile_graph(gm, example_inputs, self.grad_mode,
+                                           {self._names[i]: v for i, v in floats.items()})
+
+    def __call__(self, *args: Any) -> Any:
+        key = tuple(_float_key(float(args[i])) for i in self.positions)
+        compiled = self.variants.get(key)
+        if compiled is None:
+            compiled = self._new_variant(key, args)
+        return compiled(*args)
+
+    def _new_variant(self, key: tuple[str, ...], args: Sequence[Any]) -> Callable[..., Any]:
+        with self._lock:
+            if key in self.variants:
+                return self.variants[key]
+            if len(self.variants) >= MAX_FLOAT_VARIANTS:
+                if not self._warned:  # counted and warned once per graph
+                    self._warned = True
+                    warn_fallback(f"a graph with dynamic float inputs {[self._names[i] for i in self.positions]}",
+                                  f"they took more than {MAX_FLOAT_VARIANTS} values; calls with a new value run "
+                                  "eagerly (torch._dynamo.config.specialize_float = True makes Dynamo guard and "
+                                  "recompile per value instead)")
+                return self.pristine.forward
+            with collector_paused(), torch.set_grad_enabled(self.grad_mode):
+                compiled = self._compile(_copy_graph_module(self.pristine), args,
+                                         {i: float(args[i]) for i in self.positions})
+            self.variants[key] = compiled
+            return compiled
 
 
 def qaic_backend(

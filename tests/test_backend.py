@@ -495,6 +495,54 @@ def test_user_functions_of_the_same_code_are_not_reused_for_each_other():
             torch.testing.assert_close(torch.compile(g, backend="qaic")(x), g(x))
 
 
+class ScaledAttention(nn.Module):
+    """Python floats used as numbers: an attention scale and a norm's eps."""
+
+    def __init__(self, scale, eps):
+        super().__init__()
+        self.scale, self.eps = scale, eps
+
+    def forward(self, x):
+        y = F.scaled_dot_product_attention(x, x, x, scale=self.scale)
+        return y + x.pow(2).mean(-1, keepdim=True).add(self.eps).rsqrt()
+
+
+def test_dynamic_floats_are_compiled_per_value_never_reused_across_values():
+    # dynamic=True makes Dynamo pass each float as a 0-d tensor read with item(): ONNX
+    # cannot take a symbolic attention scale, so the piece ran eagerly (a whole HF Llama
+    # compiled with dynamic=True ran every piece eagerly). Now each value gets its own
+    # compile, chosen per call by the values the call carries.
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 5, 8)
+    first, second = ScaledAttention(0.25, 1e-6), ScaledAttention(0.5, 1e-2)
+    compiled = [torch.compile(m, backend="qaic", dynamic=True, options={"fallback": "error"}) for m in (first, second)]
+    with compilation_counter.expect(num_eager_fallbacks=0, num_exporter_fallbacks=0,
+                                    num_backend_compilations=2):  # one per (scale, eps), not one per call
+        for _ in range(2):
+            for model, fn in zip((first, second), compiled):
+                torch.testing.assert_close(fn(x), model(x), rtol=0, atol=1e-6)
+    reports = [r for r in qaic_dynamo.compile_reports() if r.specialized_floats]
+    assert sorted(sorted(r.specialized_floats.values()) for r in reports[-2:]) == [[1e-6, 0.25], [1e-2, 0.5]]
+    assert "dynamic float input(s)" in reports[-1].table()
+
+
+def test_past_the_variant_limit_new_float_values_run_eagerly(monkeypatch):
+    from qaic_dynamo import backend
+
+    monkeypatch.setattr(backend, "MAX_FLOAT_VARIANTS", 2)
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 5, 8)
+
+    def rms(x, eps):  # Dynamo guards no value of eps: one graph serves them all
+        return x.pow(2).mean(-1, keepdim=True).add(eps).rsqrt() * x
+
+    fn = torch.compile(rms, backend="qaic", dynamic=True)
+    with compilation_counter.expect(num_graphs_seen=1, num_backend_compilations=2, num_eager_fallbacks=1), \
+            pytest.warns(RuntimeWarning, match="took more than 2 values"):
+        for eps in (0.25, 0.5, 0.75, 1.0, 0.25):  # compiled, compiled, eager, eager, compiled
+            torch.testing.assert_close(fn(x, eps), rms(x, eps), rtol=0, atol=1e-6)
+
+
 def test_fallback_error_raises():
     model, x = WithOpaqueOp().eval(), torch.randn(4, 16)
     with pytest.raises(BackendCompilerFailed, match="the ONNX exporter failed.*options=\\{'fallback': 'eager'\\}"):
@@ -776,11 +824,10 @@ def test_attention_with_a_fully_masked_row_gives_zeros_as_eager(dtype, mask_kind
     torch.testing.assert_close(out, expected, **({"rtol": 2e-3, "atol": 2e-3} if dtype == torch.float16 else {}))
 
 
-def test_the_eager_arithmetic_holds_on_the_exporter_path_too():
-    # A tensor constant sends the piece to the exporter fallback; its decompositions get
-    # the same formulas first.
+def test_the_eager_arithmetic_holds_on_the_exporter_path_too(exporter_path):
+    # The exporter's decompositions get the same formulas first.
     def fn(a):
-        return (a // 0.1) + (a % 0.1) * 100 + torch.tensor(0.0)
+        return (a // 0.1) + (a % 0.1) * 100
 
     with compilation_counter.expect(num_backend_compilations=1, num_exporter_fallbacks=1, num_eager_fallbacks=0):
         out = torch.compile(fn, backend="qaic", options={"fallback": "error"})(_V)
@@ -849,8 +896,8 @@ def _pool_in_range(a):  # Dynamo guards 9 <= n <= 10, under which the pooling's 
     return _pool_doubled(a) if 9 <= a.shape[-1] <= 10 else a
 
 
-class _DropoutWithLiteral(nn.Module):
-    """Training-mode dropout in a piece the exporter lowers (a tensor literal sends it there)."""
+class _Dropout(nn.Module):
+    """Training-mode dropout behind an identity linear layer."""
 
     def __init__(self):
         super().__init__()
@@ -859,7 +906,7 @@ class _DropoutWithLiteral(nn.Module):
         nn.init.zeros_(self.lin.bias)
 
     def forward(self, x):
-        return self.drop(self.lin(x)) + torch.tensor([0.0])
+        return self.drop(self.lin(x))
 
 
 def _attention_dropout(q, k, v):
@@ -868,13 +915,14 @@ def _attention_dropout(q, k, v):
 
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("case", ["exporter_dropout", "attention_dropout"])
-def test_dropout_in_training_mode_drops(case):
+def test_dropout_in_training_mode_drops(case, request):
     # ONNX Runtime's EliminateDropout removed the exporter's training-mode Dropout, and
     # sdpa's dropout_p was translated as ONNX Dropout without training_mode (the identity):
     # both gave the no-dropout values, silently (found by review).
     g = torch.Generator().manual_seed(0)
     if case == "exporter_dropout":
-        fn, args = _DropoutWithLiteral().train(), (torch.ones(64, 64),)
+        request.getfixturevalue("exporter_path")
+        fn, args = _Dropout().train(), (torch.ones(64, 64),)
         with torch.no_grad():  # the mask unused: what ONNX Runtime's optimizer removed
             out = torch.compile(fn, backend="qaic")(*args)
         assert last_compile_report().pieces[0].exporter_fallback  # the path under test
@@ -908,12 +956,12 @@ def test_a_size_guard_true_of_every_size_is_no_assumption():
 
 
 @pytest.mark.filterwarnings("ignore:.*branches on a dynamic size")
-def test_an_exporter_fallback_branching_on_a_dynamic_size_is_never_served_at_other_sizes():
-    # A tensor constant sends the piece to the exporter, which traced at its own example
-    # size (17) and served that remainder's split to every size: 6 gave [3, 12, 0] for
-    # [1, 5, 9] (found by review). Its guards are now checked as the direct path's are.
+def test_an_exporter_fallback_branching_on_a_dynamic_size_is_never_served_at_other_sizes(exporter_path):
+    # The exporter traced at its own example size (17) and served that remainder's split
+    # to every size: 6 gave [3, 12, 0] for [1, 5, 9] (found by review). Its guards are now
+    # checked as the direct path's are.
     def split(a):
-        return torch.cat([t.sum(0, keepdim=True) for t in torch.tensor_split(a, 3)]) + torch.tensor(0.0)
+        return torch.cat([t.sum(0, keepdim=True) for t in torch.tensor_split(a, 3)])
 
     compiled = torch.compile(split, backend="qaic", dynamic=True)
     for n in (6, 9, 12, 7, 10, 8, 11):
@@ -974,15 +1022,15 @@ def test_attention_cases_the_translation_cannot_take_are_lowered():
 
 
 @pytest.mark.parametrize("mask_kind", ["bool", "float"])
-def test_masked_attention_on_the_exporter_path_gives_eagers_zeros(mask_kind):
+def test_masked_attention_on_the_exporter_path_gives_eagers_zeros(mask_kind, exporter_path):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, n, 8, generator=g) for n in (5, 7, 7))
     keep = torch.rand(2, 1, 5, 7, generator=g) > 0.5
     keep[:, :, 0] = False
     mask = keep if mask_kind == "bool" else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
 
-    def fn(q, k, v, m):  # the tensor constant sends the piece to the exporter
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=m) + torch.tensor(0.0)
+    def fn(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
 
     with compilation_counter.expect(num_exporter_fallbacks=1, num_eager_fallbacks=0):
         out = torch.compile(fn, backend="qaic", options={"fallback": "error"})(q, k, v, mask)

@@ -68,17 +68,20 @@ def test_family_matches_eager_and_transformers(family, layers, regional):
         [[7], [8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18, 19]], 3)
 
 
+@pytest.mark.parametrize("dynamic", [None, True], ids=["default", "dynamic"])
 @pytest.mark.parametrize("layers", [2, 4])
-def test_hf_generate_with_a_compiled_forward(layers):
+def test_hf_generate_with_a_compiled_forward(layers, dynamic):
     """How transformers users compile: ``torch.compile`` on the model's forward, then
     ``generate`` with its own DynamicCache (use_cache=True). Every graph is lowered
-    directly: the cache's ``torch.tensor([])`` seeds are constants of the pieces."""
+    directly: the cache's ``torch.tensor([])`` seeds are constants of the pieces, and
+    under ``dynamic=True`` the config's floats (eps, attention scaling) Dynamo passes as
+    inputs are compiled at their values."""
     hf = hf_model_from_config(FAMILIES["llama"](layers))
     prompt = torch.tensor([PROMPTS[1]])
     with torch.no_grad():
         want = hf.generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False)
         want_step = hf(prompt)
-        hf.forward = torch.compile(hf.forward, backend="qaic", options={"fallback": "error"})
+        hf.forward = torch.compile(hf.forward, backend="qaic", dynamic=dynamic, options={"fallback": "error"})
         try:
             with compilation_counter.expect(num_exporter_fallbacks=0, num_eager_fallbacks=0):
                 step = hf(prompt)

@@ -538,17 +538,22 @@ def test_fake_values_propagate_a_graph_without_dynamos_values():
     assert out.meta["val"].shape == (2, 3)
 
 
-def test_an_exporter_fallback_during_a_recompile_does_not_crash_dynamo():
+@pytest.mark.parametrize("path", ["direct", "exporter"])
+def test_a_recompile_with_the_eps_as_an_input_is_compiled_per_value(path, request):
     # A second model of the same class with another rms_norm eps makes Dynamo recompile the
-    # forward with the float as a graph input; the pieces that read it cannot be lowered
-    # directly and go to the exporter. The exporter used to retry with a strict (Dynamo)
-    # export inside this compile, which dropped the frame's cache entries under it:
-    # InternalTorchDynamoError or a segfault. Now those pieces run eagerly, with a warning.
+    # forward with the float as a graph input. Those pieces went to the exporter (which
+    # once crashed Dynamo there: a strict re-export inside the compile dropped the frame's
+    # cache entries), then ran eagerly with a warning. Now the graph is compiled at the
+    # value each call carries; the exporter, forced, lowers the recompile too.
+    if path == "exporter":
+        request.getfixturevalue("exporter_path")
     outs, caught = [], []
     for eps in (1e-5, 1e-6):
         torch.manual_seed(0)
         model = QaicLlamaForCausalLM(QaicLlamaConfig(num_hidden_layers=2, rms_norm_eps=eps)).eval()
-        with warnings.catch_warnings(record=True) as record:
+        exported = 3 if path == "exporter" else 0  # first, middle, last: each compile lowers its own
+        with warnings.catch_warnings(record=True) as record, \
+                compilation_counter.expect(num_eager_fallbacks=0, num_exporter_fallbacks=exported):
             warnings.simplefilter("always")
             got = run_steps(model, torch.compile(model, backend="qaic"), steps=1)
         caught.append([str(w.message) for w in record])
@@ -557,8 +562,8 @@ def test_an_exporter_fallback_during_a_recompile_does_not_crash_dynamo():
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
         outs.append(got)
     assert not torch.equal(outs[0][0], outs[1][0]), "the two models differ"
-    assert not any("runs eagerly" in m for m in caught[0])  # the first model is lowered directly
-    assert any("runs eagerly" in m for m in caught[1]), caught[1]  # the recompile's exporter pieces
+    assert not any("runs eagerly" in m for m in caught[0] + caught[1]), caught
+    assert last_compile_report().specialized_floats  # the recompile's, with the eps as input
 
 
 def test_registry_matches_from_torchlib():
