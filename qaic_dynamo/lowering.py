@@ -1054,8 +1054,22 @@ def decompositions(opset: int) -> dict[Any, Any]:
         if op not in core_aten and internals.export_utils._is_preservable_cia_op(op) and op not in internals.preserved_cia:
             continue
         table[op] = fn
-    table.update(TORCH_SEMANTICS)
+    for op, ours in TORCH_SEMANTICS.items():
+        # Where ours declines (NotImplemented: a dtype it leaves alone), the op's own
+        # decomposition, if the table had one, must still run: without it an op the
+        # registry cannot translate (index_add) sends the piece to the exporter.
+        table[op] = ours if op not in table else _or_else(ours, table[op])
     return table
+
+
+def _or_else(first: Callable[..., Any], then: Callable[..., Any]) -> Callable[..., Any]:
+    """``first``, or ``then`` where ``first`` returns NotImplemented."""
+
+    def decomposition(*args: Any, **kwargs: Any) -> Any:
+        out = first(*args, **kwargs)
+        return then(*args, **kwargs) if out is NotImplemented else out
+
+    return decomposition
 
 
 # --- where onnxscript's translation differs from eager: torch's own arithmetic -------------
@@ -1337,6 +1351,27 @@ def _in_float32(op: Any) -> Callable[..., Any]:
     return upcast
 
 
+def _index_add_in_float32(x: Any, dim: int, index: Any, source: Any, *, alpha: Any = 1) -> Any:
+    """float16 / bfloat16 ``index_add`` in float32, rounded once: ONNX Runtime's CPU
+    ScatterND has no float16 add reduction (every such piece failed at its first run and
+    ran eagerly). Eager's CPU kernel accumulates in float32 and rounds once too: equal
+    results, duplicate indices included - but with an ``alpha`` other than 1 it adds in
+    float16 one write at a time, so there repeated indices can differ in the last places."""
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return NotImplemented
+    return _aten.index_add.default(x.float(), dim, index, source.float(), alpha=alpha).to(x.dtype)
+
+
+def _index_put_in_float32(x: Any, indices: Any, values: Any, accumulate: bool = False) -> Any:
+    """float16 / bfloat16 ``index_put(..., accumulate=True)`` in float32, rounded once (no
+    float16 add reduction in ONNX Runtime's ScatterND, as above). Eager's CPU kernel adds
+    in float16 one write at a time, so where indices repeat the results can differ from
+    eager in the last places (docs/usage.md)."""
+    if not accumulate or x.dtype not in (torch.float16, torch.bfloat16):
+        return NotImplemented
+    return _aten.index_put.default(x.float(), indices, values.float(), True).to(x.dtype)
+
+
 def _layer_norm_in_float32(x: Any, shape: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Any:
     """float16 / bfloat16 ``native_layer_norm`` in float32, rounded back (as eager's CPU
     kernel accumulates): the translation's LayerNormalization stashes mean and rstd in
@@ -1384,6 +1419,8 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
     _aten.logsumexp.default: _in_float32(_aten.logsumexp.default),
     _aten.log1p.default: _log1p,
     _aten.native_layer_norm.default: _layer_norm_in_float32,
+    _aten.index_add.default: _index_add_in_float32,
+    _aten.index_put.default: _index_put_in_float32,
     _aten.expm1.default: _expm1,
     _aten.amax.default: _reduce_all_dims(_aten.amax.default),
     _aten.amin.default: _reduce_all_dims(_aten.amin.default),

@@ -714,6 +714,37 @@ def lowered_and_eager(fn, *args):
     return out, expected
 
 
+def test_float16_index_add_is_lowered_and_gives_eagers_values():
+    # ONNX Runtime's CPU ScatterND has no float16 add: such a piece failed at its first run
+    # and ran eagerly (every float16 MoE that combines experts with index_add_). Computed
+    # in float32 and rounded once, as eager's kernel does: equal, duplicates included.
+    g = torch.Generator().manual_seed(0)
+    x, s = torch.randn(6, 8, generator=g).half(), torch.randn(40, 8, generator=g).half()
+    i = torch.randint(0, 6, (40,), generator=g)  # ~7 writes per row
+    out, expected = lowered_and_eager(lambda x, i, s: x.index_add(0, i, s) * 2, x, i, s)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    # With an alpha eager adds in float16 one write at a time: the last places may differ.
+    torch._dynamo.reset()
+    out, expected = lowered_and_eager(lambda x, i, s: x.index_add(0, i, s, alpha=0.5), x, i, s)
+    torch.testing.assert_close(out, x.float().index_add(0, i, s.float(), alpha=0.5).half(), rtol=0, atol=0)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-2)
+
+
+def test_float16_accumulating_index_put_is_lowered_in_float32():
+    # Eager adds float16 writes one at a time; the lowering adds in float32 and rounds once,
+    # so with repeated indices the two differ in the last places (docs/usage.md).
+    g = torch.Generator().manual_seed(0)
+    x, s = torch.randn(6, 8, generator=g).half(), torch.randn(40, 8, generator=g).half()
+    i = torch.randint(0, 6, (40,), generator=g)
+
+    def fn(x, i, s):
+        return x.index_put((i,), s, accumulate=True) + 1
+
+    out, expected = lowered_and_eager(fn, x, i, s)
+    torch.testing.assert_close(out, fn(x.float(), i, s.float()).half(), rtol=0, atol=0)
+    torch.testing.assert_close(out, expected, rtol=0, atol=2e-2)  # a few float16 ulps of values ~ 5
+
+
 @pytest.mark.parametrize("case", EAGER_ARITHMETIC.values(), ids=EAGER_ARITHMETIC.keys())
 def test_division_and_remainder_give_eagers_values(case):
     out, expected = lowered_and_eager(*case)
