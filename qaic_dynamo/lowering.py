@@ -1940,7 +1940,20 @@ def _lower_with_exporter(prepared: PreparedPiece, opset: int) -> onnx.ModelProto
         raise LoweringError(f"its export branches on a dynamic size ({e}); compiled, it would serve sizes the branch "
                             "is wrong for") from e
     except Exception as e:
-        raise LoweringError(f"the ONNX exporter failed: {_first_line(e)}") from e
+        raise LoweringError(f"the ONNX exporter failed: {_first_line(e)}{_fix_hint(e)}") from e
+
+
+#: Other libraries' ops with no ONNX translation, and what a user does instead.
+UNTRANSLATABLE_OP_FIXES = {
+    "transformers.grouped_mm_fallback": (
+        "transformers' default 'grouped_mm' experts run an opaque loop over data-dependent group sizes; call "
+        "model.set_experts_implementation('batched_mm') before compiling (qaic_dynamo.LLM does)"),
+}
+
+
+def _fix_hint(e: BaseException) -> str:
+    text = str(e)
+    return next((f" ({fix})" for op, fix in UNTRANSLATABLE_OP_FIXES.items() if f"'{op}'" in text or f"{op}." in text), "")
 
 
 def _exported_model(prepared: PreparedPiece, example: Sequence[torch.Tensor], opset: int) -> onnx.ModelProto:

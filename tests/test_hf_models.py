@@ -95,6 +95,22 @@ def test_hf_generate_with_a_compiled_forward(layers, dynamic):
         torch.testing.assert_close(c.values, e.values, atol=1e-5, rtol=0)
 
 
+def test_transformers_grouped_mm_experts_fall_back_with_the_fix_named():
+    # transformers' default MoE experts call an opaque custom op looping over
+    # data-dependent group sizes: no ONNX translation. The warning says what to do.
+    import transformers.integrations.moe  # noqa: F401  (registers the op)
+
+    def experts(x, w, offs):
+        return torch.ops.transformers.grouped_mm_fallback(x, w, offs=offs) * 2
+
+    g = torch.Generator().manual_seed(0)
+    x, w, offs = torch.randn(6, 8, generator=g), torch.randn(3, 8, 4, generator=g), torch.tensor([2, 2, 6])
+    with compilation_counter.expect(num_eager_fallbacks=1, num_backend_compilations=0), \
+            pytest.warns(RuntimeWarning, match=r"set_experts_implementation\('batched_mm'\)"):
+        out = torch.compile(experts, backend="qaic")(x, w, offs)
+    torch.testing.assert_close(out, experts(x, w, offs))
+
+
 def test_per_layer_names_compile_every_layer():
     hf = hf_model_from_config(FAMILIES["llama"](3))
     with compilation_counter.expect(num_backend_compilations=4):  # L + 1 pieces, all distinct
