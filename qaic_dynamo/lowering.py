@@ -642,7 +642,7 @@ def _finish(model: onnx.ModelProto, layout: PieceLayout, opset: int) -> onnx.Mod
     names = [i.name for i in model.graph.input]
     want = [i["name"] for i in layout.inputs]
     if names != want:
-        raise LoweringError(f"the exporter changed the inputs: expected {want}, got {names}")
+        raise LoweringError(f"the lowered model's inputs differ from the piece's: expected {want}, got {names}")
     return model
 
 
