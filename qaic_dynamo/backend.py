@@ -21,6 +21,7 @@ failed), the seconds it took and any fallback reason; the same table is logged t
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
@@ -418,6 +419,10 @@ class QaicBackend:
 # --- Python floats Dynamo left dynamic ------------------------------------------------------
 
 MAX_FLOAT_VARIANTS = 8  # values compiled per graph before the rest run eagerly (Dynamo's own limit)
+_CALL_TIME_COMPILE = threading.Lock()
+# What Dynamo holds while it compiles a frame (torch 2.13, private): is_compiling() is True
+# process-wide, so make_fx in a backend is not taken for FX tracing a compiled function.
+_compile_session = getattr(torch.compiler, "_compile_session_context", contextlib.nullcontext)
 
 
 def dynamic_float_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict[int, float]:
@@ -429,15 +434,25 @@ def dynamic_float_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> d
     a 0-d tensor and reads it back with ``item()``. ONNX has no symbolic floats, so a piece
     that uses the number as a number (an attention ``scale``, ``x.add(eps)``) could not be
     lowered and ran eagerly. Only inputs read solely through ``item()`` with a real example
-    value count."""
+    value count, and only where the number is used as it is: a float derived from it (``s *
+    2``) or a size computed from it keeps its symbol in Dynamo's values of later nodes, which
+    the split and the lowering read, so such a graph is left as it was (its pieces run
+    eagerly, with a warning)."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    found = {}
+    found: dict[int, tuple[float, set[Any]]] = {}
     for i, (node, example) in enumerate(zip(placeholders, example_inputs)):
         if (isinstance(example, torch.Tensor) and not isinstance(example, FakeTensor) and example.dim() == 0
                 and example.is_floating_point() and node.users
                 and all(u.op == "call_method" and u.target == "item" for u in node.users)):
-            found[i] = example.item()
-    return found
+            found[i] = (example.item(), {s for u in node.users for s in free_symbols(u.meta.get("example_value"))})
+    if not found:
+        return {}
+    reads = {u for i in found for u in placeholders[i].users}
+    elsewhere = {s for n in gm.graph.nodes if n.op != "placeholder" and n not in reads
+                 for s in free_symbols(n.meta.get("example_value"))}
+    return {i: value for i, (value, symbols) in found.items() if not symbols & elsewhere}
 
 
 def specialize_floats(gm: fx.GraphModule, values: dict[int, float]) -> None:
@@ -467,8 +482,7 @@ def _float_key(value: float) -> str:
 class PerFloatValue:
     """A graph with dynamic float inputs, compiled once per value those floats take.
 
-    Each compile puts the values in as constants (as ``specialize_float=True`` would have
-    Dynamo do), and every call reads the floats (one ``item()`` each) to pick the variant
+    Each compile puts the values in as constants, and every call reads the floats (one ``item()`` each) to pick the variant
     compiled for them - a value not seen yet compiles its own, from a pristine copy of the
     graph - so no call is served an artifact built for another value. Past
     :data:`MAX_FLOAT_VARIANTS` values the graph runs eagerly for the new ones, with a
@@ -507,10 +521,14 @@ class PerFloatValue:
                     self._warned = True
                     warn_fallback(f"a graph with dynamic float inputs {[self._names[i] for i in self.positions]}",
                                   f"they took more than {MAX_FLOAT_VARIANTS} values; calls with a new value run "
-                                  "eagerly (torch._dynamo.config.specialize_float = True makes Dynamo guard and "
-                                  "recompile per value instead)")
+                                  "eagerly (for Python floats, torch._dynamo.config.specialize_float = True makes "
+                                  "Dynamo guard and recompile per value instead)")
                 return self.pristine.forward
-            with collector_paused(), torch.set_grad_enabled(self.grad_mode):
+            # Lowering traces with make_fx, which raises torch.fx's process-wide tracing
+            # flag; outside a compile session, a call of any compiled function on another
+            # thread then raises (Dynamo takes it for FX tracing a compiled function). A
+            # compile at call time is a compile session as Dynamo's own are: it marks one.
+            with _CALL_TIME_COMPILE, _compile_session(), collector_paused(), torch.set_grad_enabled(self.grad_mode):
                 compiled = self._compile(_copy_graph_module(self.pristine), args,
                                          {i: float(args[i]) for i in self.positions})
             self.variants[key] = compiled

@@ -8,6 +8,8 @@ import logging
 import subprocess
 import sys
 import textwrap
+import threading
+import warnings
 from pathlib import Path
 
 import onnx
@@ -524,6 +526,58 @@ def test_dynamic_floats_are_compiled_per_value_never_reused_across_values():
     reports = [r for r in qaic_dynamo.compile_reports() if r.specialized_floats]
     assert sorted(sorted(r.specialized_floats.values()) for r in reports[-2:]) == [[1e-6, 0.25], [1e-2, 0.5]]
     assert "dynamic float input(s)" in reports[-1].table()
+
+
+def test_a_float_derived_from_a_dynamic_float_across_a_split_keeps_the_eager_fallback():
+    # ``t = s * 2`` keeps the float's symbol in Dynamo's values of later nodes; specialising
+    # the read alone crashed the split (KeyError on the symbol, found by review). Such a
+    # graph is left as it was: correct, its pieces eager.
+    def f(x, s):
+        t = s * 2.0
+        return F.scaled_dot_product_attention(x, x, x, scale=t) * t + x
+
+    fn = torch.compile(f, backend="qaic", dynamic=True, options={"splitting_ops": ["aten::scaled_dot_product_attention"]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for s in (0.25, 0.5, 0.25):
+            x = torch.randn(1, 2, 5, 8)
+            torch.testing.assert_close(fn(x, s), f(x, s), rtol=0, atol=0)
+    assert not last_compile_report().specialized_floats
+
+
+def test_a_new_float_value_compiled_at_call_time_leaves_other_threads_running():
+    # Lowering a new value's variant inside a call ran make_fx outside any compile session;
+    # torch.fx's process-wide tracing flag then made every compiled function called on
+    # another thread meanwhile raise "using FX to symbolically trace a dynamo-optimized
+    # function" (found by review).
+    def rms(x, eps):
+        return x.pow(2).mean(-1, keepdim=True).add(eps).rsqrt() * x
+
+    fn = torch.compile(rms, backend="qaic", dynamic=True)
+    x = torch.randn(3, 8)
+    want = rms(x, 0.5)
+    torch.testing.assert_close(fn(x, 0.5), want)
+    stop, errors, calls = threading.Event(), [], [0]
+
+    def hot():
+        while not stop.is_set():
+            try:
+                torch.testing.assert_close(fn(x, 0.5), want)
+                calls[0] += 1
+            except Exception as e:  # noqa: BLE001  (any failure is the finding)
+                errors.append(e)
+                return
+
+    thread = threading.Thread(target=hot)
+    thread.start()
+    try:
+        for eps in (0.1, 0.2, 0.3):  # each compiles a variant inside this call
+            torch.testing.assert_close(fn(x, eps), rms(x, eps))
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors[0]
+    assert calls[0] > 0
 
 
 def test_past_the_variant_limit_new_float_values_run_eagerly(monkeypatch):
