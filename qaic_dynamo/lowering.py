@@ -1706,6 +1706,17 @@ def translate_aten(gm: fx.GraphModule, input_names: Sequence[str], output_names:
     if len(model.graph.inputs) != len(input_names) or len(model.graph.outputs) != len(output_names):
         raise _DirectPathError("(graph)", f"translated {len(model.graph.inputs)} inputs / {len(model.graph.outputs)} outputs, "
                                f"expected {len(input_names)} / {len(output_names)}")
+    # An output that is an input (a piece passing a tensor through) or another output is
+    # one value: naming it as the output renamed the input (the piece then failed its
+    # input check and ran eagerly - transformers' sliding-window cache layers do this).
+    taken = set(model.graph.inputs)
+    for k, value in enumerate(list(model.graph.outputs)):
+        if value in taken:
+            copy = ir.Node("", "Identity", [value], num_outputs=1)
+            model.graph.append(copy)
+            copy.outputs[0].type, copy.outputs[0].shape = value.type, value.shape
+            model.graph.outputs[k] = value = copy.outputs[0]
+        taken.add(value)
     for value, name in zip(model.graph.inputs, input_names):
         value.name = name
     for value, name in zip(model.graph.outputs, output_names):

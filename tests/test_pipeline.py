@@ -566,6 +566,30 @@ def test_a_recompile_with_the_eps_as_an_input_is_compiled_per_value(path, reques
     assert last_compile_report().specialized_floats  # the recompile's, with the eps as input
 
 
+def test_an_output_that_is_an_input_keeps_the_input_named():
+    # A piece passing a tensor through (transformers' sliding-window cache layers return
+    # their key tensor unchanged) had one ONNX value as input and output; naming the output
+    # renamed the input, and the piece failed its input check and ran eagerly.
+    import onnx
+    import onnxruntime as ort
+
+    from qaic_dynamo.lowering import aten_graph, translate_aten
+
+    def fn(x, y):
+        return x, y + 1, y + 1
+
+    example = [torch.randn(3, 4), torch.randn(3, 4)]
+    gm = aten_graph(fn, example, [None, None], 18)
+    model = translate_aten(gm, ["x", "y"], ["a", "b", "c"], 18)
+    onnx.checker.check_model(model, full_check=True)
+    assert [i.name for i in model.graph.input] == ["x", "y"]
+    assert [o.name for o in model.graph.output] == ["a", "b", "c"]
+    a, b, c = ort.InferenceSession(model.SerializeToString()).run(None, {"x": example[0].numpy(), "y": example[1].numpy()})
+    torch.testing.assert_close(torch.from_numpy(a), example[0])
+    torch.testing.assert_close(torch.from_numpy(b), example[1] + 1)
+    torch.testing.assert_close(torch.from_numpy(c), example[1] + 1)
+
+
 def test_registry_matches_from_torchlib():
     # onnx_registry builds torch.onnx's registry without from_torchlib's slow listing; it
     # must hold the same functions for every op, or the direct path would translate
