@@ -419,7 +419,20 @@ class QaicBackend:
 # --- Python floats Dynamo left dynamic ------------------------------------------------------
 
 MAX_FLOAT_VARIANTS = 8  # values compiled per graph before the rest run eagerly (Dynamo's own limit)
-_CALL_TIME_COMPILE = threading.Lock()
+
+
+
+def _dynamo_compile_lock() -> Any:
+    """Dynamo's lock around every frame compile (torch 2.13, private; a re-entrant lock). A
+    compile at call time holds it too: the compile session flag below is one process-wide
+    value that each session saves and restores, so sessions on two threads must not
+    overlap (a Dynamo compile ending while ours traced reset it under us)."""
+    from torch._dynamo import convert_frame
+
+    return getattr(convert_frame, "compile_lock", None) or _OWN_COMPILE_LOCK
+
+
+_OWN_COMPILE_LOCK = threading.RLock()
 # What Dynamo holds while it compiles a frame (torch 2.13, private): is_compiling() is True
 # process-wide, so make_fx in a backend is not taken for FX tracing a compiled function.
 _compile_session = getattr(torch.compiler, "_compile_session_context", contextlib.nullcontext)
@@ -528,7 +541,7 @@ class PerFloatValue:
             # flag; outside a compile session, a call of any compiled function on another
             # thread then raises (Dynamo takes it for FX tracing a compiled function). A
             # compile at call time is a compile session as Dynamo's own are: it marks one.
-            with _CALL_TIME_COMPILE, _compile_session(), collector_paused(), torch.set_grad_enabled(self.grad_mode):
+            with _dynamo_compile_lock(), _compile_session(), collector_paused(), torch.set_grad_enabled(self.grad_mode):
                 compiled = self._compile(_copy_graph_module(self.pristine), args,
                                          {i: float(args[i]) for i in self.positions})
             self.variants[key] = compiled

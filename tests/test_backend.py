@@ -580,6 +580,40 @@ def test_a_new_float_value_compiled_at_call_time_leaves_other_threads_running():
     assert calls[0] > 0
 
 
+def test_a_call_time_compile_holds_dynamos_compile_lock(monkeypatch):
+    # The compile session flag is one process-wide value each session saves and restores:
+    # a Dynamo compile on another thread ending during ours reset it, and compiled calls
+    # on a third thread raised again (found by review). Ours now holds Dynamo's lock.
+    from torch._dynamo.convert_frame import compile_lock
+
+    from qaic_dynamo import backend
+
+    held = []
+    compile_variant = backend.PerFloatValue._compile
+
+    def probing(self, *args, **kwargs):
+        def try_lock():
+            free = compile_lock.acquire(blocking=False)
+            if free:
+                compile_lock.release()
+            held.append(not free)
+
+        probe = threading.Thread(target=try_lock)
+        probe.start()
+        probe.join()
+        return compile_variant(self, *args, **kwargs)
+
+    def rms(x, eps):
+        return x.pow(2).mean(-1, keepdim=True).add(eps).rsqrt() * x
+
+    fn = torch.compile(rms, backend="qaic", dynamic=True)
+    x = torch.randn(3, 8)
+    fn(x, 0.5)  # compiled inside Dynamo's compile
+    monkeypatch.setattr(backend.PerFloatValue, "_compile", probing)
+    torch.testing.assert_close(fn(x, 0.25), rms(x, 0.25))  # compiled inside this call
+    assert held == [True]
+
+
 def test_past_the_variant_limit_new_float_values_run_eagerly(monkeypatch):
     from qaic_dynamo import backend
 
@@ -782,6 +816,13 @@ def test_float16_index_add_is_lowered_and_gives_eagers_values():
     out, expected = lowered_and_eager(lambda x, i, s: x.index_add(0, i, s, alpha=0.5), x, i, s)
     torch.testing.assert_close(out, x.float().index_add(0, i, s.float(), alpha=0.5).half(), rtol=0, atol=0)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-2)
+    # So does eager on a 1-D tensor, where float16's running sum stops growing at 2048
+    # (found by review; docs/usage.md): the lowering gives the exact sum.
+    torch._dynamo.reset()
+    ones = torch.ones(3000, dtype=torch.float16)
+    out, expected = lowered_and_eager(lambda x, i, s: x.index_add(0, i, s), torch.zeros(2, dtype=torch.float16),
+                                      torch.zeros(3000, dtype=torch.long), ones)
+    assert out.tolist() == [3000.0, 0.0] and expected.tolist() == [2048.0, 0.0]
 
 
 def test_float16_accumulating_index_put_is_lowered_in_float32():
