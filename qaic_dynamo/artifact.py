@@ -37,6 +37,7 @@ __all__ = [
     "ArtifactError",
     "LAYOUT_FILE",
     "LAYOUT_FORMAT",
+    "SIZE_CARRIER_DTYPE",
     "ONNX_ELEMENT_TYPES",
     "ONNX_FILE",
     "PieceLayout",
@@ -52,7 +53,10 @@ ONNX_FILE = "model.onnx"
 LAYOUT_FILE = "layout.json"
 #: Bumped whenever PieceLayout or the meaning of a field changes; an artifact of another
 #: format is recompiled, never misread.
-LAYOUT_FORMAT = 3
+LAYOUT_FORMAT = 4
+#: The dtype of a size carrier: the ONNX input a ``["size", i]`` source binds, a tensor
+#: whose length is the piece's int argument i (its values are never read).
+SIZE_CARRIER_DTYPE = torch.bool
 
 #: torch dtype -> ONNX TensorProto element type: the dtypes an artifact's inputs and
 #: outputs may have (as IOBinding takes them; an integer type also covers bfloat16, which
@@ -83,7 +87,9 @@ class PieceLayout:
     """How to call an artifact. JSON-serialisable; written next to the ONNX file.
 
     ``inputs``: one entry per ONNX input, in order: ``{"name", "source"}`` where source is
-        ``["arg", i]`` (the piece's i-th argument), ``["cache", u, j]`` (cache j of update
+        ``["arg", i]`` (the piece's i-th argument), ``["size", i]`` (a tensor of
+        :data:`SIZE_CARRIER_DTYPE` whose length is the piece's int argument i: a size no
+        tensor argument carries as a dimension), ``["cache", u, j]`` (cache j of update
         u, resolved at call time) or ``["slot_mapping"]``.
     ``outputs``: one per ONNX output: ``{"name", "dtype", "shape", "target"}``; target is
         ``["leaf", k]`` or ``["cache", u, j]`` (written in place); shape entries are ints

@@ -72,7 +72,7 @@ import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
-from qaic_dynamo.artifact import LAYOUT_FILE, ONNX_ELEMENT_TYPES, ONNX_FILE, PieceLayout, dtype_name
+from qaic_dynamo.artifact import LAYOUT_FILE, ONNX_ELEMENT_TYPES, ONNX_FILE, SIZE_CARRIER_DTYPE, PieceLayout, dtype_name
 from qaic_dynamo.config import CompilationConfig
 from qaic_dynamo.counter import compilation_counter
 from qaic_dynamo.fingerprint import CanonicalNames, canonical_names
@@ -182,11 +182,28 @@ def _bind_symbols(rw: _Rewrite) -> None:
 
 
 def sizes_from_tensors(rw: _Rewrite) -> None:
-    """Pass 1: symbolic-size inputs become sizes of tensor inputs (and are removed)."""
+    """Pass 1: symbolic-size inputs become sizes of tensor inputs (and are removed).
+
+    A size no tensor input carries as a dimension (a Python int Dynamo made dynamic, such
+    as transformers' cache length) gets a carrier instead: the ONNX input becomes a bool
+    tensor of that length, which the runtime makes from the int at each call (a piece's
+    ONNX has only tensor inputs)."""
     g = rw.graph
+    carriers = set()
+    for i, (ph, a) in enumerate(zip(rw.placeholders, rw.example_args)):
+        if (isinstance(a, torch.SymInt) and ph.users and isinstance(a.node.expr, sympy.Symbol)
+                and a.node.expr not in rw.sym_source):
+            rw.sym_source[a.node.expr] = (i, 0)
+            carriers.add(i)
     for i, (ph, a) in enumerate(zip(rw.placeholders, rw.example_args)):
         if isinstance(a, torch.Tensor):
             rw.input_sources.append(["arg", i])
+            continue
+        if i in carriers:
+            rw.input_sources.append(["size", i])
+            with g.inserting_before(rw.first_body):
+                size = g.call_function(torch.ops.aten.sym_size.int, (ph, 0))
+            ph.replace_all_uses_with(size, delete_user_cb=lambda user: user is not size)
             continue
         if ph.users:
             expr = a.node.expr
@@ -430,11 +447,11 @@ def export_inputs(
     dynamic: list[dict[int, Any] | None] = []
     inputs: list[dict[str, Any]] = []
     for src in rw.input_sources:
-        a = rw.example_args[src[1]]
-        example.append(torch.zeros([_concrete(d, values) for d in a.shape], dtype=a.dtype))
+        shape, dtype = input_shape(rw.example_args, src), _input_dtype(rw.example_args, src)
+        example.append(torch.zeros([_concrete(d, values) for d in shape], dtype=dtype))
         if real_usable:
-            real.append(torch.zeros([_concrete(d, hints) for d in a.shape], dtype=a.dtype))
-        dyn = {d: torch.export.Dim.DYNAMIC for d, size in enumerate(a.shape) if _is_symbolic(size)}
+            real.append(torch.zeros([_concrete(d, hints) for d in shape], dtype=dtype))
+        dyn = {d: torch.export.Dim.DYNAMIC for d, size in enumerate(shape) if _is_symbolic(size)}
         dynamic.append(dyn or None)
         inputs.append({"name": f"arg{src[1]}", "source": src})
     extra: list[torch.Tensor] = []
@@ -449,6 +466,17 @@ def export_inputs(
         dynamic.append({0: torch.export.Dim.DYNAMIC})
         inputs.append({"name": "slot_mapping", "source": ["slot_mapping"]})
     return example + extra, dynamic, inputs, (real + extra if real_usable and hints else None)
+
+
+def input_shape(example_args: Sequence[Any], src: list[Any]) -> tuple[Any, ...]:
+    """The shape of the ONNX input that ``src`` (an ``["arg", i]`` or ``["size", i]``
+    layout source) binds: the tensor's, or a size carrier's (its length)."""
+    a = example_args[src[1]]
+    return (a,) if src[0] == "size" else tuple(a.shape)
+
+
+def _input_dtype(example_args: Sequence[Any], src: list[Any]) -> torch.dtype:
+    return SIZE_CARRIER_DTYPE if src[0] == "size" else example_args[src[1]].dtype
 
 
 def prepare(gm: fx.GraphModule, example_args: Sequence[Any], fake_mode: Any) -> PreparedPiece:
@@ -490,7 +518,7 @@ def prepare(gm: fx.GraphModule, example_args: Sequence[Any], fake_mode: Any) -> 
     )
     return PreparedPiece(
         fx.GraphModule(gm, g).eval(), example, dynamic, [i["name"] for i in inputs], [o["name"] for o in outputs], layout,
-        real_example, [tuple(example_args[src[1]].shape) for src in rw.input_sources],
+        real_example, [input_shape(example_args, src) for src in rw.input_sources],
     )
 
 

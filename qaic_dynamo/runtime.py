@@ -41,7 +41,9 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from qaic_dynamo import _C
-from qaic_dynamo.artifact import ONNX_ELEMENT_TYPES, ONNX_FILE, Artifact, evaluate_symbol_expression
+from qaic_dynamo.artifact import (
+    ONNX_ELEMENT_TYPES, ONNX_FILE, SIZE_CARRIER_DTYPE, Artifact, evaluate_symbol_expression,
+)
 from qaic_dynamo.config import CompilationConfig, qaic_compiler_path
 from qaic_dynamo.counter import compilation_counter
 
@@ -337,6 +339,9 @@ class PieceRunner(torch.nn.Module):
                     keep.append(t)
             elif kind == "cache":
                 t = caches[src[1]][src[2]]
+            elif kind == "size":  # only its length is read; fresh, so never aliased
+                t = torch.empty(int(args[src[1]]), dtype=SIZE_CARRIER_DTYPE)
+                keep.append(t)
             else:
                 t = ctx.attn_metadata.slot_mapping_i64
             self._attach(b, name, t)
@@ -431,6 +436,8 @@ class PieceRunner(torch.nn.Module):
         """Whether this call binds a zero-size tensor."""
         for _, src in self._inputs:
             if src[0] == "arg" and isinstance(args[src[1]], torch.Tensor) and args[src[1]].numel() == 0:
+                return True
+            if src[0] == "size" and int(args[src[1]]) < 1:  # no carrier of that length
                 return True
             if src[0] == "slot_mapping" and ctx is not None and ctx.attn_metadata.slot_mapping_i64.numel() == 0:
                 return True

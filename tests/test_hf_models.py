@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 from qaic_dynamo import LLM, compilation_counter
 from qaic_dynamo.models import hf_model_from_config
@@ -68,15 +68,25 @@ def test_family_matches_eager_and_transformers(family, layers, regional):
         [[7], [8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18, 19]], 3)
 
 
+PLAIN_COMPILE = [("llama", 2), ("llama", 4), ("mistral", 2), ("gemma2", 2)]
+
+
 @pytest.mark.parametrize("dynamic", [None, True], ids=["default", "dynamic"])
-@pytest.mark.parametrize("layers", [2, 4])
-def test_hf_generate_with_a_compiled_forward(layers, dynamic):
+@pytest.mark.parametrize("family,layers", PLAIN_COMPILE, ids=[f"{f}-{n}" for f, n in PLAIN_COMPILE])
+def test_hf_generate_with_a_compiled_forward(family, layers, dynamic):
     """How transformers users compile: ``torch.compile`` on the model's forward, then
     ``generate`` with its own DynamicCache (use_cache=True). Every graph is lowered
     directly: the cache's ``torch.tensor([])`` seeds are constants of the pieces, and
     under ``dynamic=True`` the config's floats (eps, attention scaling) Dynamo passes as
-    inputs are compiled at their values."""
-    hf = hf_model_from_config(FAMILIES["llama"](layers))
+    inputs are compiled at their values. Mistral and Gemma2's sliding-window cache layers
+    pass a tensor through and keep their length as a Python int (a size no tensor carries)."""
+    if family == "gemma2":  # soft-capping needs transformers' eager attention
+        hf = hf_model_from_config(Gemma2Config(num_hidden_layers=layers, head_dim=16, attn_logit_softcapping=50.0,
+                                               final_logit_softcapping=30.0, query_pre_attn_scalar=16,
+                                               sliding_window=4096, **SMALL))
+        hf.config._attn_implementation = "eager"
+    else:
+        hf = hf_model_from_config(FAMILIES[family](layers))
     prompt = torch.tensor([PROMPTS[1]])
     with torch.no_grad():
         want = hf.generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False)

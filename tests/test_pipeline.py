@@ -590,6 +590,22 @@ def test_an_output_that_is_an_input_keeps_the_input_named():
     torch.testing.assert_close(torch.from_numpy(c), example[1] + 1)
 
 
+def test_a_size_no_tensor_carries_reaches_the_onnx_through_a_carrier():
+    # A Python int Dynamo made dynamic (transformers' sliding-window cache length) is a
+    # SymInt piece input that no tensor input has as a dimension; a piece's ONNX takes only
+    # tensors, so such pieces ran eagerly. Now the runtime binds a bool tensor of that length.
+    def f(x, n):
+        return torch.ones(n) * x.sum() + torch.arange(n)
+
+    fn = torch.compile(f, backend="qaic", dynamic=True, options={"fallback": "error"})
+    with compilation_counter.expect(num_backend_compilations=1, num_eager_fallbacks=0, num_exporter_fallbacks=0):
+        for n in (5, 7, 2, 3, 9):
+            x = torch.arange(4.0) * n
+            torch.testing.assert_close(fn(x, n), f(x, n), rtol=0, atol=0)
+    layout = json.loads((Path(last_compile_report().pieces[0].artifact) / LAYOUT_FILE).read_text())
+    assert ["size", 0] in [i["source"] for i in layout["inputs"]]
+
+
 def test_registry_matches_from_torchlib():
     # onnx_registry builds torch.onnx's registry without from_torchlib's slow listing; it
     # must hold the same functions for every op, or the direct path would translate
