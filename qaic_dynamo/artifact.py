@@ -37,6 +37,7 @@ __all__ = [
     "ArtifactError",
     "LAYOUT_FILE",
     "LAYOUT_FORMAT",
+    "MAX_SIZE_CARRIER",
     "SIZE_CARRIER_DTYPE",
     "ONNX_ELEMENT_TYPES",
     "ONNX_FILE",
@@ -57,6 +58,9 @@ LAYOUT_FORMAT = 4
 #: The dtype of a size carrier: the ONNX input a ``["size", i]`` source binds, a tensor
 #: whose length is the piece's int argument i (its values are never read).
 SIZE_CARRIER_DTYPE = torch.bool
+#: The longest size carrier bound (bytes of one buffer per runner, never written): a larger
+#: int, such as a seed Dynamo made dynamic, runs that call eagerly.
+MAX_SIZE_CARRIER = 1 << 30
 
 #: torch dtype -> ONNX TensorProto element type: the dtypes an artifact's inputs and
 #: outputs may have (as IOBinding takes them; an integer type also covers bfloat16, which

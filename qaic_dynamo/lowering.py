@@ -72,7 +72,9 @@ import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.utils import _pytree as pytree
 
-from qaic_dynamo.artifact import LAYOUT_FILE, ONNX_ELEMENT_TYPES, ONNX_FILE, SIZE_CARRIER_DTYPE, PieceLayout, dtype_name
+from qaic_dynamo.artifact import (
+    LAYOUT_FILE, MAX_SIZE_CARRIER, ONNX_ELEMENT_TYPES, ONNX_FILE, SIZE_CARRIER_DTYPE, PieceLayout, dtype_name,
+)
 from qaic_dynamo.config import CompilationConfig
 from qaic_dynamo.counter import compilation_counter
 from qaic_dynamo.fingerprint import CanonicalNames, canonical_names
@@ -441,7 +443,9 @@ def export_inputs(
     primes = iter((17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83, 89, 97))
     hints = {s: _hint(s_int) for s, s_int in _symbol_hints(rw.example_args).items()}
     values = {s: next(primes, max(h, 2)) for s, h in hints.items()}
-    real_usable = all(h >= 2 for h in hints.values())
+    real_usable = all(h >= 2 for h in hints.values()) and all(
+        _concrete(input_shape(rw.example_args, src)[0], hints) <= MAX_SIZE_CARRIER
+        for src in rw.input_sources if src[0] == "size")  # a carrier as long as a seed is not allocated
     example: list[torch.Tensor] = []
     real: list[torch.Tensor] = []
     dynamic: list[dict[int, Any] | None] = []

@@ -42,7 +42,7 @@ from torch.utils import _pytree as pytree
 
 from qaic_dynamo import _C
 from qaic_dynamo.artifact import (
-    ONNX_ELEMENT_TYPES, ONNX_FILE, SIZE_CARRIER_DTYPE, Artifact, evaluate_symbol_expression,
+    MAX_SIZE_CARRIER, ONNX_ELEMENT_TYPES, ONNX_FILE, SIZE_CARRIER_DTYPE, Artifact, evaluate_symbol_expression,
 )
 from qaic_dynamo.config import CompilationConfig, qaic_compiler_path
 from qaic_dynamo.counter import compilation_counter
@@ -182,6 +182,11 @@ class _NoBackward(torch.autograd.Function):
         )
 
 
+class _UnbindableCall(Exception):
+    """This call cannot be bound (an empty output, a size carrier out of range); eager
+    serves it, and it says nothing about the artifact."""
+
+
 class _EagerInstead(Exception):
     """Raised out of a run inside :class:`_NoBackward` so the eager fallback runs outside it."""
 
@@ -255,6 +260,7 @@ class PieceRunner(torch.nn.Module):
         self._spec = spec
         self._flat_tuple = spec.type is tuple and all(c.is_leaf() for c in spec.children())
         self._dep = {leaf[1]: torch.empty(0, dtype=getattr(torch, leaf[1])) for leaf in layout.leaves if leaf[0] == "dep"}
+        self._carrier_buffer = torch.empty(0, dtype=SIZE_CARRIER_DTYPE)
         # Returned as they are on every call (dependency tokens, constant leaves).
         self._persistent = [*self._dep.values(), *(leaf[1] for leaf in layout.leaves
                                                    if leaf[0] not in ("onnx", "arg", "dep", "sym")
@@ -339,9 +345,8 @@ class PieceRunner(torch.nn.Module):
                     keep.append(t)
             elif kind == "cache":
                 t = caches[src[1]][src[2]]
-            elif kind == "size":  # only its length is read; fresh, so never aliased
-                t = torch.empty(int(args[src[1]]), dtype=SIZE_CARRIER_DTYPE)
-                keep.append(t)
+            elif kind == "size":
+                t = self._size_carrier(int(args[src[1]]))
             else:
                 t = ctx.attn_metadata.slot_mapping_i64
             self._attach(b, name, t)
@@ -354,9 +359,21 @@ class PieceRunner(torch.nn.Module):
                 outs.append(None)
             else:
                 t = torch.empty(shape_fn(sym), dtype=dtype)
+                if t.numel() == 0:  # ONNX Runtime binds no null pointer; nothing to compute
+                    raise _UnbindableCall(f"output {name} is empty {tuple(t.shape)}")
                 self._attach(b, name, t, output=True)
                 outs.append(t)
         return outs, sym
+
+    def _size_carrier(self, n: int) -> torch.Tensor:
+        """A tensor of length ``n`` for a ``["size", i]`` input: views of one buffer that
+        grows to the longest length seen (ONNX Runtime reads only the shape)."""
+        if not 1 <= n <= MAX_SIZE_CARRIER:
+            raise _UnbindableCall(f"a size input of {n} (size carriers take 1..{MAX_SIZE_CARRIER})")
+        buffer = self._carrier_buffer
+        if buffer.numel() < n:
+            buffer = self._carrier_buffer = torch.empty(max(n, 2 * buffer.numel()), dtype=SIZE_CARRIER_DTYPE)
+        return buffer[:n]
 
     def bound_inputs(self) -> dict[int, dict[str, int]]:
         """The calling thread's bindings: ``{slot: {input name: data pointer}}``, one slot
@@ -412,7 +429,7 @@ class PieceRunner(torch.nn.Module):
             # An empty batch: ONNX Runtime refuses a zero-size tensor (its data pointer is
             # null), and there is nothing to compute. Eager serves this call only; it says
             # nothing about the artifact.
-            error = None if self._binds_empty(args, ctx) else e
+            error = None if isinstance(e, _UnbindableCall) or self._binds_empty(args, ctx) else e
             if error is not None and self.config.fallback == "error":
                 raise
             if defer:
@@ -436,8 +453,6 @@ class PieceRunner(torch.nn.Module):
         """Whether this call binds a zero-size tensor."""
         for _, src in self._inputs:
             if src[0] == "arg" and isinstance(args[src[1]], torch.Tensor) and args[src[1]].numel() == 0:
-                return True
-            if src[0] == "size" and int(args[src[1]]) < 1:  # no carrier of that length
                 return True
             if src[0] == "slot_mapping" and ctx is not None and ctx.attn_metadata.slot_mapping_i64.numel() == 0:
                 return True

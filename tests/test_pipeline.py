@@ -606,6 +606,25 @@ def test_a_size_no_tensor_carries_reaches_the_onnx_through_a_carrier():
     assert ["size", 0] in [i["source"] for i in layout["inputs"]]
 
 
+@pytest.mark.parametrize("fallback", ["eager", "error"])
+def test_unbindable_calls_run_eagerly_for_that_call_only(fallback):
+    # A size carrier is as long as its int (an int used only as a scalar gets one too: a
+    # seed of 3e11 failed to allocate), and an empty output has a null data pointer
+    # ONNX Runtime refuses: either failure made the piece eager for good, and under
+    # fallback="error" raised (found by review). Now eager serves that call only.
+    def f(x, n):
+        return x[:, n:] * n
+
+    fn = torch.compile(f, backend="qaic", dynamic=True, options={"fallback": fallback})
+    x = torch.arange(16.0).reshape(2, 8)
+    # Two graphs: Dynamo guards 0 <= n <= 8 on the first and recompiles past it.
+    with compilation_counter.expect(num_backend_compilations=2, num_eager_fallbacks=0):
+        for n in (3, 300_000_000_000, 9, 5):  # compiled, huge int, empty output, compiled
+            torch.testing.assert_close(fn(x, n), f(x, n), rtol=0, atol=0)
+    runners = [r for report in qaic_dynamo.compile_reports()[-2:] for r in report.runners()]
+    assert len(runners) == 2 and not any(r.use_eager for r in runners)
+
+
 def test_registry_matches_from_torchlib():
     # onnx_registry builds torch.onnx's registry without from_torchlib's slow listing; it
     # must hold the same functions for every op, or the direct path would translate
