@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -180,11 +181,6 @@ class _NoBackward(torch.autograd.Function):
             "inference. Run the model under torch.no_grad() or torch.inference_mode(), or compile it with a "
             "training backend (e.g. backend='inductor') to differentiate through it"
         )
-
-
-class _UnbindableCall(Exception):
-    """This call cannot be bound (an empty output, a size carrier out of range); eager
-    serves it, and it says nothing about the artifact."""
 
 
 class _EagerInstead(Exception):
@@ -359,8 +355,6 @@ class PieceRunner(torch.nn.Module):
                 outs.append(None)
             else:
                 t = torch.empty(shape_fn(sym), dtype=dtype)
-                if t.numel() == 0:  # ONNX Runtime binds no null pointer; nothing to compute
-                    raise _UnbindableCall(f"output {name} is empty {tuple(t.shape)}")
                 self._attach(b, name, t, output=True)
                 outs.append(t)
         return outs, sym
@@ -368,11 +362,12 @@ class PieceRunner(torch.nn.Module):
     def _size_carrier(self, n: int) -> torch.Tensor:
         """A tensor of length ``n`` for a ``["size", i]`` input: views of one buffer that
         grows to the longest length seen (ONNX Runtime reads only the shape)."""
-        if not 1 <= n <= MAX_SIZE_CARRIER:
-            raise _UnbindableCall(f"a size input of {n} (size carriers take 1..{MAX_SIZE_CARRIER})")
+        if not 1 <= n <= MAX_SIZE_CARRIER:  # see _binds_empty
+            raise ValueError(f"a size input of {n}: size carriers take 1..{MAX_SIZE_CARRIER}")
         buffer = self._carrier_buffer
         if buffer.numel() < n:
-            buffer = self._carrier_buffer = torch.empty(max(n, 2 * buffer.numel()), dtype=SIZE_CARRIER_DTYPE)
+            grown = min(max(n, 2 * buffer.numel()), MAX_SIZE_CARRIER)
+            buffer = self._carrier_buffer = torch.empty(grown, dtype=SIZE_CARRIER_DTYPE)
         return buffer[:n]
 
     def bound_inputs(self) -> dict[int, dict[str, int]]:
@@ -429,7 +424,7 @@ class PieceRunner(torch.nn.Module):
             # An empty batch: ONNX Runtime refuses a zero-size tensor (its data pointer is
             # null), and there is nothing to compute. Eager serves this call only; it says
             # nothing about the artifact.
-            error = None if isinstance(e, _UnbindableCall) or self._binds_empty(args, ctx) else e
+            error = None if self._binds_empty(args, ctx) else e
             if error is not None and self.config.fallback == "error":
                 raise
             if defer:
@@ -450,13 +445,21 @@ class PieceRunner(torch.nn.Module):
         return out
 
     def _binds_empty(self, args: Sequence[Any], ctx: Any) -> bool:
-        """Whether this call binds a zero-size tensor."""
+        """Whether this call binds a zero-size tensor (an input or an output) or a size
+        carrier out of range: asked only after a failed run, so the per-call path pays
+        nothing for it."""
         for _, src in self._inputs:
             if src[0] == "arg" and isinstance(args[src[1]], torch.Tensor) and args[src[1]].numel() == 0:
                 return True
+            if src[0] == "size" and not 1 <= int(args[src[1]]) <= MAX_SIZE_CARRIER:
+                return True
             if src[0] == "slot_mapping" and ctx is not None and ctx.attn_metadata.slot_mapping_i64.numel() == 0:
                 return True
-        return False
+        try:
+            sym = self.symbol_values(args) if self._needs_symbols else None
+            return any(math.prod(shape_fn(sym)) == 0 for _, target, shape_fn, _ in self._outputs if target[0] != "cache")
+        except Exception:  # noqa: BLE001  (not an empty call; the run's own error stands)
+            return False
 
     def _assemble(self, args: Sequence[Any], outs: list[torch.Tensor | None], sym: dict[str, int] | None) -> Any:
         leaves = []
