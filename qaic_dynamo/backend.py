@@ -421,7 +421,6 @@ class QaicBackend:
 MAX_FLOAT_VARIANTS = 8  # values compiled per graph before the rest run eagerly (Dynamo's own limit)
 
 
-
 def _dynamo_compile_lock() -> Any:
     """Dynamo's lock around every frame compile (torch 2.13, private; a re-entrant lock). A
     compile at call time holds it too: the compile session flag below is one process-wide
@@ -495,9 +494,10 @@ def _float_key(value: float) -> str:
 class PerFloatValue:
     """A graph with dynamic float inputs, compiled once per value those floats take.
 
-    Each compile puts the values in as constants, and every call reads the floats (one ``item()`` each) to pick the variant
-    compiled for them - a value not seen yet compiles its own, from a pristine copy of the
-    graph - so no call is served an artifact built for another value. Past
+    Each compile puts the values in as constants, and every call reads the floats (one
+    ``item()`` each) to pick the variant compiled for them - a value not seen yet compiles
+    its own, from a pristine copy of the graph - so no call is served an artifact built for
+    another value. Past
     :data:`MAX_FLOAT_VARIANTS` values the graph runs eagerly for the new ones, with a
     warning."""
 
@@ -526,7 +526,12 @@ class PerFloatValue:
         return compiled(*args)
 
     def _new_variant(self, key: tuple[str, ...], args: Sequence[Any]) -> Callable[..., Any]:
-        with self._lock:
+        # Lowering traces with make_fx, which raises torch.fx's process-wide tracing flag;
+        # outside a compile session, a call of any compiled function on another thread
+        # then raises (Dynamo takes it for FX tracing a compiled function). A compile at
+        # call time is a compile session as Dynamo's own are, under Dynamo's lock (taken
+        # first, as Dynamo's compiles do, so the two locks are always taken in one order).
+        with _dynamo_compile_lock(), self._lock:
             if key in self.variants:
                 return self.variants[key]
             if len(self.variants) >= MAX_FLOAT_VARIANTS:
@@ -537,11 +542,7 @@ class PerFloatValue:
                                   "eagerly (for Python floats, torch._dynamo.config.specialize_float = True makes "
                                   "Dynamo guard and recompile per value instead)")
                 return self.pristine.forward
-            # Lowering traces with make_fx, which raises torch.fx's process-wide tracing
-            # flag; outside a compile session, a call of any compiled function on another
-            # thread then raises (Dynamo takes it for FX tracing a compiled function). A
-            # compile at call time is a compile session as Dynamo's own are: it marks one.
-            with _dynamo_compile_lock(), _compile_session(), collector_paused(), torch.set_grad_enabled(self.grad_mode):
+            with _compile_session(), collector_paused(), torch.set_grad_enabled(self.grad_mode):
                 compiled = self._compile(_copy_graph_module(self.pristine), args,
                                          {i: float(args[i]) for i in self.positions})
             self.variants[key] = compiled
