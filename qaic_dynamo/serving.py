@@ -526,7 +526,14 @@ def _decode_worker(model: Any, cfg: dict, descriptor: dict, handoff_queues: list
 
         def admit(item: tuple) -> None:
             _, job, first, t_first, moved = item
-            transport.receive(job.decode_slot, job.request_id)
+            try:
+                transport.receive(job.decode_slot, job.request_id)
+            except Exception as e:
+                # gloo: the prefill worker died with this hand-off posted and its KV not (all)
+                # sent. Only this request is lost; the running ones need no transport. Its
+                # slot holds a partial KV that nothing reads: the server frees it.
+                events.put(("lost", job.request_id, (job.decode_slot, f"{type(e).__name__}: {e}".splitlines()[0])))
+                return
             events.put(("admitted", job.request_id, (first, t_first, moved)))
             req = Request(job.request_id, job.prompt, job.max_tokens, output_token_ids=[first],
                           block_ids=[job.decode_slot], num_computed_tokens=len(job.prompt))
@@ -846,6 +853,12 @@ class DisaggregatedServer:
                 r = self.results[rid]
                 r.ttft, r.kv_bytes_moved = t_first - r.submitted, moved
                 active[rid] = at_prefill.pop(rid)
+            elif kind == "lost":  # its KV never arrived (see _decode_worker's admit)
+                slot, reason = payload
+                self.results[rid].error = (f"the KV hand-off of request {rid} failed ({reason}); it was not served "
+                                           "(decode kept serving the running requests)")
+                at_prefill.pop(rid)
+                free.append(slot)
             elif kind == "finished":
                 slot, tokens = payload
                 r = self.results[rid]

@@ -412,6 +412,45 @@ def test_after_the_gloo_prefill_worker_died_generate_fails_at_once():
             server.generate([[6, 7]], 2, timeout=60)  # spun until its timeout
 
 
+def test_a_gloo_hand_off_cut_by_the_prefill_workers_death_fails_only_that_request():
+    """The prefill worker posts a gloo hand-off before sending its KV (decode must be
+    receiving for the send to finish). Killed in between, its request fails; decode keeps
+    serving the running one (it died with "Connection closed by peer" before)."""
+    model = llama(2)
+    ctx = 1 << 16  # a 16 MB slot: more than loopback's socket buffers, so the send blocks
+    running, handed_off = [5, 6, 7], list(range(1, 41))
+    with DisaggregatedServer(model, decode_slots=2, ctx_len=ctx, chunk_size=8, transport="gloo", backend="eager",
+                             chunk_delay=0.05) as server:
+        handoffs, failures = server._handoff_queues[0], []
+
+        def killer():
+            try:
+                deadline = time.monotonic() + 60
+                while not any(r.ttft is not None for r in server.results.values()):  # `running` is decoding
+                    assert time.monotonic() < deadline, "the first request was never admitted"
+                    time.sleep(0.005)
+                os.kill(server._decode.pid, signal.SIGSTOP)  # decode busy: it takes nothing off the queue
+                try:
+                    while handoffs.qsize() == 0:  # the second prompt's 5 chunks, then its hand-off posted
+                        assert time.monotonic() < deadline, "the second request was never handed off"
+                        time.sleep(0.005)
+                    os.kill(server.prefill_pid, signal.SIGKILL)  # in its send, or just before it
+                    time.sleep(0.2)
+                finally:
+                    os.kill(server._decode.pid, signal.SIGCONT)
+            except BaseException as e:
+                failures.append(e)
+
+        t = threading.Thread(target=killer)
+        t.start()
+        results = server.generate([running, handed_off], [40, 4], timeout=120)
+        t.join()
+        assert not failures, failures
+    assert results[1].error is not None and "the KV hand-off of request" in results[1].error, results[1].error
+    assert results[1].token_ids == []
+    assert results[0].error is None and results[0].token_ids == eager_tokens(model, [running], [40])[0]
+
+
 def test_summary_of_a_run_where_every_request_failed():
     from qaic_dynamo.serving import RequestResult, summarize
 
