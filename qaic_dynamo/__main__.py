@@ -15,6 +15,8 @@ import argparse
 import sys
 import time
 
+from qaic_dynamo.demo import positive_int
+
 
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -58,8 +60,9 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama",
                    help="llama | qwen2 | mistral | mla (built-in configs, random weights) or a local model directory")
     p.add_argument("--out", required=True, help="output root; the export goes to OUT/<hash>/")
-    p.add_argument("--layers", type=int, default=None, help="built-in models: number of layers (default 16)")
-    p.add_argument("--hidden-size", type=int, default=None, help="built-in models: hidden size (default 512)")
+    p.add_argument("--layers", type=positive_int, default=None, help="built-in models: number of layers (default 16)")
+    p.add_argument("--hidden-size", type=positive_int, default=None,
+                   help="built-in models: hidden size (default 512; a multiple of the 8 attention heads)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=1, help="decode batch size")
     p.add_argument("--prefill-seq-len", type=int, default=32)
@@ -147,8 +150,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="llama | qwen2 | mistral | mla (built-in configs, random weights) or a local model directory")
     p.add_argument("--prompts", required=True,
                    help="a file with one prompt per line, as whitespace-separated token ids")
-    p.add_argument("--layers", type=int, default=None, help="built-in models: number of layers (default 16)")
-    p.add_argument("--hidden-size", type=int, default=None, help="built-in models: hidden size (default 512)")
+    p.add_argument("--layers", type=positive_int, default=None, help="built-in models: number of layers (default 16)")
+    p.add_argument("--hidden-size", type=positive_int, default=None,
+                   help="built-in models: hidden size (default 512; a multiple of the 8 attention heads)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--decode-slots", type=int, default=4)
@@ -163,6 +167,10 @@ def _model_arg(args: argparse.Namespace) -> object | None:
     from pathlib import Path
 
     if Path(args.model).is_dir():
+        if args.layers is not None or args.hidden_size is not None:
+            print(f"qaic-dynamo: --layers and --hidden-size resize the built-in models; the model in {args.model} is "
+                  "used as it is, so drop them", file=sys.stderr)
+            return None
         # As a path, never a bare name: a directory called "llama" is that model, not the
         # built-in one.
         return str(Path(args.model).resolve())
@@ -172,8 +180,12 @@ def _model_arg(args: argparse.Namespace) -> object | None:
         return None
     from qaic_dynamo import demo
 
-    return demo.build_model(argparse.Namespace(model=args.model, config=None, layers=args.layers,
-                                               hidden_size=args.hidden_size, seed=args.seed))
+    try:
+        return demo.build_model(argparse.Namespace(model=args.model, config=None, layers=args.layers,
+                                                   hidden_size=args.hidden_size, seed=args.seed))
+    except ValueError as e:  # a shape the model cannot have
+        print(f"qaic-dynamo: {e}", file=sys.stderr)
+        return None
 
 
 def serve_command(args: argparse.Namespace) -> int:

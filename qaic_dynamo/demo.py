@@ -51,13 +51,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=["llama", "qwen2", "mistral", "mla"], default="llama",
                    help="architecture of the built-in model (llama, qwen2, mistral: transformers; mla: reference)")
     p.add_argument("--config", metavar="DIR_OR_JSON", help="a local transformers config (directory or JSON file)")
-    p.add_argument("--layers", type=int, default=None, help="override the number of layers (default 16)")
-    p.add_argument("--hidden-size", type=int, default=None, help="override the hidden size (default 512)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--layers", type=positive_int, default=None, help="override the number of layers (default 16)")
+    p.add_argument("--hidden-size", type=positive_int, default=None,
+                   help="override the hidden size (default 512; a multiple of the 8 attention heads)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=32)
     p.add_argument("--compare", action="store_true",
                    help="also compile the whole model, with layer-agnostic and with per-layer KV-update names, and "
                         "print both cold compile times")
     p.add_argument("--seed", type=int, default=0)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a count of at least 1 (0 would otherwise read as "not given")."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
 
 
 #: Config lists with one entry per decoder layer (resized by --layers).
@@ -76,14 +88,15 @@ def build_model(args: argparse.Namespace) -> Any:
 
     if args.model == "mla" and not args.config:
         torch.manual_seed(args.seed)
-        hidden = args.hidden_size or 512
+        hidden = args.hidden_size if args.hidden_size is not None else 512
+        _check_hidden_size(hidden, 8)
         return QaicMLAForCausalLM(QaicMLAConfig(
             vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-            num_hidden_layers=args.layers or 16, num_attention_heads=8, kv_lora_rank=128,
+            num_hidden_layers=args.layers if args.layers is not None else 16, num_attention_heads=8, kv_lora_rank=128,
             qk_nope_head_dim=hidden // 8, qk_rope_head_dim=32, v_head_dim=hidden // 8))
     if args.config and has_weights(args.config):
         # A model directory with weights: the demo runs that model, as LLM(directory) does.
-        if args.layers or args.hidden_size:
+        if args.layers is not None or args.hidden_size is not None:
             raise ValueError(f"demo: --config {args.config} holds weights, so its shape is fixed; drop --layers and "
                              "--hidden-size (or point --config at a config.json to build a resized random model)")
         return local_model(args.config)
@@ -94,7 +107,7 @@ def build_model(args: argparse.Namespace) -> Any:
         if args.model == "mistral":
             d["sliding_window"] = 4096
         cfg = hf_config(d)
-    if args.layers:
+    if args.layers is not None:
         # Lists with one entry per layer follow the new depth: cut, or extended with their
         # last entry. Only these: other lists may merely have that length by chance
         # (eos_token_id, or mlp_only_layers, which holds layer indices).
@@ -103,11 +116,18 @@ def build_model(args: argparse.Namespace) -> Any:
             if isinstance(value, list) and value:
                 setattr(cfg, key, value[: args.layers] + [value[-1]] * (args.layers - len(value)))
         cfg.num_hidden_layers = args.layers
-    if args.hidden_size:
+    if args.hidden_size is not None:
+        _check_hidden_size(args.hidden_size, cfg.num_attention_heads)
         cfg.head_dim = args.hidden_size // cfg.num_attention_heads
         cfg.hidden_size = args.hidden_size
         cfg.intermediate_size = args.hidden_size * 11 // 4
     return hf_model_from_config(cfg, seed=args.seed)
+
+
+def _check_hidden_size(hidden: int, heads: int) -> None:
+    if hidden % heads:
+        raise ValueError(f"--hidden-size {hidden} is not a multiple of the model's {heads} attention heads; pass a "
+                         f"multiple of {heads} (e.g. {max(heads, hidden - hidden % heads)})")
 
 
 def _has_tokenizer(path: str) -> bool:

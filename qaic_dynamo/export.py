@@ -114,6 +114,11 @@ def validate_kv_cache_prefix(prefix: Any) -> str | None:
             f"kv_cache_prefix must be a non-empty string of ASCII letters and digits (no dots, underscores, "
             f"dashes, spaces or other scripts), got {prefix!r}; e.g. 'vllm' or 'KV0'"
         )
+    if prefix.lower() == RETAINED_STATE_SUFFIX[1:].lower():
+        # The inputs would be past_key.{i}_RetainedState: named as the retained-state
+        # outputs are, which the compiler and is_kv_retained_state tell apart by that suffix.
+        raise ExportError(f"kv_cache_prefix {prefix!r} would name the KV inputs like retained-state outputs "
+                          f"(past_key.0_{prefix}); choose another, e.g. 'vllm' or 'KV0'")
     return prefix
 
 
@@ -190,15 +195,24 @@ class ExportOptions:
         if self.prefill_seq_len > self.ctx_len:
             raise ExportError(f"prefill_seq_len ({self.prefill_seq_len}) must not exceed ctx_len ({self.ctx_len})")
         validate_kv_cache_prefix(self.kv_cache_prefix)
+        rb = self.retained_buffers
+        if not isinstance(rb, (tuple, list)) or not all(isinstance(n, str) and n for n in rb):
+            raise ExportError(f"retained_buffers must be buffer names (strings), got {rb!r}")
+        repeated = sorted({n for n in rb if rb.count(n) > 1})
+        if repeated:  # each would be a second graph input of the same name (caught only by onnx.checker)
+            raise ExportError(f"retained_buffers names {repeated} more than once; name each buffer once")
         if self.kv_precision not in KV_PRECISIONS:
             raise ExportError(f"kv_precision must be one of {KV_PRECISIONS}, got {self.kv_precision!r}")
         if not isinstance(self.layerwise, bool):
             raise ExportError(f"layerwise must be a bool, got {self.layerwise!r}")
-        from qaic_dynamo.runtime import extra_flag_clashes
+        from qaic_dynamo.runtime import extra_flag_problem
 
-        clashes = extra_flag_clashes(dict(self.compiler_options))
-        if clashes:
-            raise ExportError(f"{clashes}; pass num_cores= for the cores, and leave the others to the export")
+        extra = self.compiler_options  # from_options made a dict the sorted pairs hashed here
+        if isinstance(extra, tuple) and all(isinstance(kv, tuple) and len(kv) == 2 for kv in extra):
+            extra = dict(extra)
+        problem = extra_flag_problem(extra)
+        if problem:
+            raise ExportError(problem)
         from qaic_dynamo.config import OPSETS
 
         if isinstance(self.opset, bool) or type(self.opset) is not int or self.opset not in OPSETS:
@@ -1053,6 +1067,12 @@ def _first_blocks(model: nn.Module, path: str, n: int) -> Iterator[nn.ModuleList
         setattr(parent, attr, full)
         for h in handles:
             h.remove()
+        # A trace that failed inside a block left its annotation open, and the exporter has
+        # already reset the metadata it was in: closed now, it finds nothing to remove (left
+        # to the garbage collector it printed "Exception ignored ... KeyError: 'custom'").
+        for i in sorted(stacks, reverse=True):
+            with contextlib.suppress(KeyError):
+                stacks.pop(i).close()
 
 
 def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int = 1, prefill_seq_len: int = 32,

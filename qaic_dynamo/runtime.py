@@ -28,6 +28,7 @@ import ctypes
 import logging
 import math
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -55,7 +56,7 @@ __all__ = [
     "QaicCompileError",
     "qaic_compile",
     "QAIC_COMPILE_OWN_FLAGS",
-    "extra_flag_clashes",
+    "extra_flag_problem",
     "qaic_compile_command",
     "qaic_sdk_available",
     "release_openmp_workers",
@@ -487,15 +488,27 @@ QAIC_COMPILE_OWN_FLAGS: dict[str, str | None] = {
 }
 
 
-def extra_flag_clashes(extra: dict[str, Any]) -> str | None:
-    """Why ``extra`` options cannot go on the command (they repeat its own flags), or None."""
+_OPTION_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+
+
+def extra_flag_problem(extra: Any) -> str | None:
+    """Why ``extra`` options cannot go on the command, or None: not a dict, a key that is
+    not an option name (``-x``, ``a=b``: it would become ``--x``, slipping past the check
+    for flags the command sets itself), or a flag the command sets itself."""
+    if not isinstance(extra, dict):
+        return (f"compiler options must be a dict of option names to values (e.g. {{'mxfp6_matmul': True}}), got "
+                f"{type(extra).__name__} {extra!r}")
+    bad = [k for k in extra if not isinstance(k, str) or not _OPTION_KEY.fullmatch(k)]
+    if bad:
+        return (f"compiler option names must be letters, digits, '_' and '-', without the leading dash (key_name=v "
+                f"becomes -key-name=v), got {bad}")
     own = {flag.lower(): (flag, arg) for flag, arg in QAIC_COMPILE_OWN_FLAGS.items()}
-    clashes = [own[("-" + str(k).replace("_", "-")).lower()] for k in extra
-               if ("-" + str(k).replace("_", "-")).lower() in own]
+    clashes = [own[("-" + k.replace("_", "-")).lower()] for k in extra if ("-" + k.replace("_", "-")).lower() in own]
     if not clashes:
         return None
     said = ", ".join(f"{flag} (set by {arg})" if arg else f"{flag} (always set)" for flag, arg in clashes)
-    return f"compiler options repeat flags the qaic-compile command sets itself: {said}"
+    return (f"compiler options repeat flags the qaic-compile command sets itself: {said}; pass num_cores= for the "
+            "cores, and leave the others to the command")
 
 
 def qaic_compile_command(
@@ -512,12 +525,13 @@ def qaic_compile_command(
 
     ``extra`` maps ``key_name=value`` to ``-key-name=value``; ``True`` gives a bare flag.
     A flag this command sets itself (:data:`QAIC_COMPILE_OWN_FLAGS`) is refused there: a
-    second ``-aic-num-cores`` or ``-aic-binary-dir`` would silently win or lose.
+    second ``-aic-num-cores`` or ``-aic-binary-dir`` would silently win or lose (see
+    :func:`extra_flag_problem`).
     ``compiler``: default ``$QAIC_COMPILER`` or the SDK's path.
     """
-    clashes = extra_flag_clashes(extra or {})
-    if clashes:
-        raise ValueError(clashes)
+    problem = extra_flag_problem(extra if extra is not None else {})
+    if problem:
+        raise ValueError(problem)
     cmd = [
         str(compiler or qaic_compiler_path()), "-aic-hw", "-aic-hw-version=2.0", f"-m={artifact_dir / ONNX_FILE}",
         "-retained-state", "-convert-to-fp16", f"-aic-num-cores={num_cores}",

@@ -130,3 +130,28 @@ def test_cli_takes_a_directory_named_like_a_built_in_model_as_that_directory(tmp
     finally:
         os.chdir(cwd)
     assert got == str(tmp_path / "llama")  # was "llama": the built-in model
+
+
+@pytest.mark.parametrize("command", [["demo"], ["export", "--out", "x"], ["serve-disagg", "--prompts", "p.txt"]])
+@pytest.mark.parametrize("flag", ["--layers", "--hidden-size"])
+def test_cli_refuses_a_zero_or_negative_size(command, flag, capsys):
+    from qaic_dynamo.__main__ import main
+
+    for value in ("0", "-3", "x"):
+        with pytest.raises(SystemExit) as e:  # 0 was read as "not given": a 16-layer export
+            main([*command, flag, value])
+        assert e.value.code == 2
+        assert f"argument {flag}: must be a positive integer, got '{value}'" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_hidden_size_the_heads_do_not_divide_and_resizing_a_model_directory(tmp_path, capsys):
+    from qaic_dynamo.__main__ import _model_arg
+    from qaic_dynamo.demo import argparse
+
+    for model in ("llama", "mla"):  # was a torch size error deep in the trace
+        assert _model_arg(argparse.Namespace(model=model, layers=1, hidden_size=60, seed=0)) is None
+        assert ("--hidden-size 60 is not a multiple of the model's 8 attention heads; pass a multiple of 8 (e.g. 56)"
+                in capsys.readouterr().err)
+    for layers, hidden in ((7, None), (None, 128)):  # was silently ignored: the directory's model as it is
+        assert _model_arg(argparse.Namespace(model=str(tmp_path), layers=layers, hidden_size=hidden, seed=0)) is None
+        assert "--layers and --hidden-size resize the built-in models" in capsys.readouterr().err

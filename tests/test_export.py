@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import stat
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -106,10 +107,48 @@ def test_valid_prefixes():
     (dict(compiler_options={"aic_num_cores": 4}), r"repeat flags .*-aic-num-cores \(set by num_cores\); pass num_cores="),
     (dict(compiler_options={"aic_binary_dir": "/x", "convert_to_fp16": False}),
      r"-aic-binary-dir \(set by out_dir\), -convert-to-fp16 \(always set\)"),
+    # a leading dash made --aic-num-cores, past the check above; a string raised dict()'s ValueError
+    (dict(compiler_options={"-aic-num-cores": 4}), r"without the leading dash .*got \['-aic-num-cores'\]"),
+    (dict(compiler_options={"mos=2": 1}), r"compiler option names must be .*got \['mos=2'\]"),
+    (dict(compiler_options="mxfp6_matmul"), r"compiler options must be a dict .*got str 'mxfp6_matmul'"),
+    # the inputs would be past_key.0_RetainedState, named like the outputs
+    (dict(kv_cache_prefix="RetainedState"), r"kv_cache_prefix 'RetainedState' would name the KV inputs like"),
+    (dict(kv_cache_prefix="retainedstate"), r"kv_cache_prefix 'retainedstate' would name the KV inputs like"),
+    # two graph inputs of one name, found by onnx.checker after the whole trace
+    (dict(retained_buffers=["vis", "vis"]), r"retained_buffers names \['vis'\] more than once"),
+    (dict(retained_buffers=[3]), r"retained_buffers must be buffer names \(strings\), got \(3,\)"),
 ])
 def test_invalid_options_are_refused(options, message):
     with pytest.raises(ExportError, match=message):
         ExportOptions.from_options(**options)
+
+
+def test_a_block_that_fails_to_trace_leaves_no_annotation_open(tmp_path, monkeypatch):
+    """Layerwise: a block whose trace fails left torch.fx.traceback.annotate open; the
+    garbage collector closed it later and printed "Exception ignored ... KeyError"."""
+    import gc
+    import sys
+
+    from transformers import LlamaConfig
+
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=8,
+                      num_key_value_heads=2, num_hidden_layers=2)
+    cfg.hidden_size, cfg.head_dim = 60, 7  # set after the config's own check: 8 heads x 7 != 60
+    model = hf_model_from_config(cfg)
+    with pytest.raises(ExportError, match="size of tensor"):
+        export_for_qaic(model, tmp_path, run_compiler=False, **SHAPE)
+    gc.collect()
+    assert not unraisable, [str(u.exc_value) for u in unraisable]
+    assert "custom" not in torch.fx.traceback.current_meta
+
+
+def test_qaic_compile_command_refuses_an_option_with_its_dash():
+    from qaic_dynamo.runtime import qaic_compile_command
+
+    with pytest.raises(ValueError, match=r"without the leading dash .*\['-aic-num-cores'\]"):
+        qaic_compile_command(Path("/a"), Path("/a/qpc"), extra={"-aic-num-cores": 4})
 
 
 def test_a_retained_buffer_that_is_not_a_buffer_is_refused(tmp_path):
