@@ -149,8 +149,9 @@ class LLM:
             the model directory when the model is one and has tokenizer files.
         seed: seed of the generator shared by requests sampled without a seed of their own.
 
-    Raises NotImplementedError, before anything is traced, for a model whose attention the
-    qaic ops do not implement (e.g. logit soft-capping, attention sinks).
+    Raises NotImplementedError, before anything is traced, for a model the qaic ops do not
+    implement (e.g. chunked attention, transformers' latent attention, attention that
+    bypasses transformers' attention interface, recurrent layers).
     """
 
     def __init__(

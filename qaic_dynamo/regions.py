@@ -176,19 +176,24 @@ def _tensors(values: Any) -> Iterator[torch.Tensor]:
 
 
 def mark_dynamic_dims(args: tuple, kwargs: dict[str, Any]) -> None:
-    """Mark the dimensions that change between forward passes dynamic, so a region is
-    traced once for every batch: those of the forward context's (padded) token count and
-    of its sequence count, padded to two as the engine pads logits rows (the final norm
-    and head see one row per sequence). Dynamo specialises sizes 0 and 1 whatever we do.
-    Outside a forward context nothing is marked."""
+    """Mark the dimension that changes between forward passes dynamic, so a region is
+    traced once for every batch: the forward context's (padded) token count, or its
+    sequence count padded to two as the engine pads logits rows (the final norm and head
+    see one row per sequence). Dynamo specialises sizes 0 and 1 whatever we do.
+    Outside a forward context nothing is marked.
+
+    Only a tensor's leading non-unit dimension is a candidate: the engine runs one flat
+    batch (``[1, tokens, ...]`` or ``[tokens, ...]``). A model dimension that merely
+    equals the count (GPT-NeoX's 4 rotary dims at 4 sequences, a head size of 16 at 16
+    tokens) made symbolic fails the piece's lowering (it ran eagerly)."""
     if not has_forward_context():
         return
     md = get_forward_context().attn_metadata
     sizes = {md.num_tokens, max(2, md.num_seqs)} - {0, 1}
     for t in _tensors((*args, *kwargs.values())):
-        for d, size in enumerate(t.shape):
-            if size in sizes:
-                torch._dynamo.maybe_mark_dynamic(t, d)
+        d = next((d for d, size in enumerate(t.shape) if size != 1), None)
+        if d is not None and t.shape[d] in sizes:
+            torch._dynamo.maybe_mark_dynamic(t, d)
 
 
 class CompiledRegion(nn.Module):

@@ -12,6 +12,8 @@ requests finish; requests without one share the engine's generator. Generation s
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,8 +53,10 @@ class SamplingParams:
 
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise bad("max_tokens", "an int >= 1")
-        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) or not self.temperature >= 0:
-            raise bad("temperature", "a number >= 0 (0 = greedy)")
+        # Not inf: every finite logit would divide to 0, a uniform draw past top_k / top_p.
+        if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
+                or not 0 <= self.temperature < math.inf):
+            raise bad("temperature", "a finite number >= 0 (0 = greedy)")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise bad("top_k", "an int >= 1, or 0 / -1 for all tokens")
         if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:

@@ -52,6 +52,26 @@ def test_the_block_is_traced_once_at_any_depth(L):
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) == breaks, "no graph breaks"
 
 
+def test_a_model_dimension_that_equals_the_batch_is_not_made_dynamic():
+    """Every tensor dimension equal to the token or sequence count was marked dynamic:
+    GPT-NeoX's rotary width (4 of its 16 head dims) at a first batch of 4 sequences became
+    a symbol, and the block's piece failed to lower (it ran eagerly)."""
+    from qaic_dynamo.models import hf_config, hf_model_from_config
+
+    model = hf_model_from_config(hf_config(dict(model_type="gpt_neox", vocab_size=256, num_hidden_layers=2,
+                                                hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                                                max_position_embeddings=256)))
+    prompts = [[5, 6, 7], [6, 6, 7], [7, 6, 7], [8, 6, 7]]
+    llm = LLM(model, max_num_seqs=4, max_model_len=64)
+    with compilation_counter.expect(
+        num_graphs_seen=5,  # the block once (for prefill and decode), embeddings, rotary embedding, norm, head
+        num_eager_fallbacks=0,
+        num_exporter_fallbacks=0,
+    ):
+        out = llm.generate(prompts, 3)
+    assert out == LLM(model, backend="eager", max_num_seqs=4, max_model_len=64).generate(prompts, 3)
+
+
 def test_regional_matches_whole_model_and_eager_logits():
     model = llama(4)
     outs = {}

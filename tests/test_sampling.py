@@ -43,7 +43,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(max_tokens=0), r"max_tokens must be an int >= 1, got 0"),
-    (dict(temperature=-0.5), r"temperature must be a number >= 0 \(0 = greedy\)"),
+    (dict(temperature=-0.5), r"temperature must be a finite number >= 0 \(0 = greedy\)"),
+    # a uniform draw over the whole vocabulary, past top_k
+    (dict(temperature=float("inf"), top_k=2), r"temperature must be a finite number >= 0 \(0 = greedy\), got inf"),
     (dict(top_k=-2), r"top_k must be an int >= 1, or 0 / -1 for all tokens"),
     (dict(top_p=0.0), r"top_p must be a number in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p must be a number in \(0, 1\]"),
