@@ -51,6 +51,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -70,8 +71,29 @@ logger = logging.getLogger("qaic_dynamo")
 
 FORMAT = "v1"
 META = "meta.json"
-#: temporary entries older than this are debris of a killed process
+#: Temporary entries older than this whose writer cannot be checked (another host's, see
+#: ``DiskCache._sweep_tmp``) are debris of a killed process.
 STALE_TMP_SECONDS = 3600
+#: This host in the names of temporary entries (``{key}-{pid}-{host}-{uuid}``): a pid says
+#: whether its writer lives only on the host that wrote it.
+HOST_TAG = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _tmp_writer_alive(name: str) -> bool | None:
+    """Whether the process that made the temporary entry ``name`` is alive; None when this
+    host cannot tell (another host's entry, a trash directory, an older name)."""
+    parts = name.split("-")
+    if len(parts) != 4 or parts[2] != HOST_TAG or not parts[1].isdigit():
+        return None
+    try:
+        os.kill(int(parts[1]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    except (OSError, OverflowError):
+        return None
+    return True
 #: How many artifacts of one piece, lowered under different size guards, a call site
 #: tries before it runs eagerly (each compile whose guards differ can add one).
 MAX_ASSUMPTION_CHAIN = 8
@@ -493,7 +515,7 @@ class DiskCache:
             tmp = self.base / "tmp"
             tmp.mkdir(parents=True, exist_ok=True)
             self._sweep_tmp(tmp)
-            path = tmp / f"{key[:12]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            path = tmp / f"{key[:12]}-{os.getpid()}-{HOST_TAG}-{uuid.uuid4().hex[:8]}"
             path.mkdir()
             return path
         except OSError as e:
@@ -527,7 +549,10 @@ class DiskCache:
             if not tmp.is_dir():  # removed under us (a cache clear): the caller compiles again
                 return tmp, False
             self._degrade("cannot write", e)
-            return tmp, False  # still a complete artifact for this process
+            # Still a complete artifact for this process, until it exits (then, or if it is
+            # killed, the next sweep, it goes: it kept a full disk full).
+            atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+            return tmp, False
 
     @contextlib.contextmanager
     def lock(self, key: str, timeout: float = 600.0) -> Iterator[None]:
@@ -557,10 +582,17 @@ class DiskCache:
             lock.release()
 
     def _sweep_tmp(self, tmp: Path) -> None:
+        """Remove what writers that are gone left in ``tmp``: a directory of a process of
+        this host is removed once that process has exited, never while it lives (a
+        qaic-compile can run for hours without touching the directory's own mtime, and a
+        degraded commit's private copy serves its process until exit); anything else (a
+        directory of another host sharing the cache, a trash directory) once it is
+        ``STALE_TMP_SECONDS`` old."""
         now = time.time()
         for p in tmp.iterdir():
             try:
-                if now - p.stat().st_mtime > STALE_TMP_SECONDS:
+                alive = _tmp_writer_alive(p.name)
+                if alive is False or (alive is None and now - p.stat().st_mtime > STALE_TMP_SECONDS):
                     shutil.rmtree(p, ignore_errors=True)
             except OSError:
                 pass
@@ -617,7 +649,8 @@ class DiskCache:
             tmp.write_text(json.dumps(data, indent=1))
             os.replace(tmp, self.base / "last_run.json")
         except OSError:
-            pass
+            with contextlib.suppress(OSError):  # a partial file on a full disk: one per process
+                tmp.unlink(missing_ok=True)
 
     def last_run(self) -> dict[str, Any] | None:
         try:

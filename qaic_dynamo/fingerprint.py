@@ -53,7 +53,7 @@ import torch.fx as fx
 
 from qaic_dynamo.artifact import LAYOUT_FORMAT
 
-__all__ = ["CanonicalNames", "Fingerprint", "KEYED_NAMESPACES", "canonical_names", "code_digest", "fingerprint", "library_versions", "package_code_digest"]
+__all__ = ["CanonicalNames", "Fingerprint", "KEYED_NAMESPACES", "KEYED_PACKAGES", "canonical_names", "code_digest", "fingerprint", "library_versions", "package_code_digest"]
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 
@@ -73,10 +73,15 @@ class Fingerprint:
         return self.key[:12]
 
 
+#: Packages whose version is in every key: what traces, lowers, serialises and runs a
+#: piece (onnx-ir writes the model; sympy prints the size expressions of the key and layout).
+KEYED_PACKAGES = ("torch", "onnx", "onnxscript", "onnx-ir", "onnxruntime", "sympy", "qaic_dynamo")
+
+
 @functools.cache
 def library_versions() -> dict[str, str]:
     versions = {}
-    for pkg in ("torch", "onnx", "onnxscript", "onnxruntime", "qaic_dynamo"):
+    for pkg in KEYED_PACKAGES:
         try:
             versions[pkg] = importlib.metadata.version(pkg)
         except importlib.metadata.PackageNotFoundError:

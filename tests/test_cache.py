@@ -139,10 +139,57 @@ def test_full_disk_degrades_with_one_warning(tmp_path, monkeypatch):
         return real_rename(src, dst)
 
     monkeypatch.setattr(os, "rename", no_space)
+    import atexit
+
+    at_exit = []
+    monkeypatch.setattr(atexit, "register", lambda fn, *args, **kwargs: at_exit.append(args[0] if args else fn))
     with pytest.warns(RuntimeWarning, match="No space left on device") as record:
         compile_once(tmp_path)
     assert entries(tmp_path) == []
     assert len([w for w in record if "No space left on device" in str(w.message)]) == 1  # not one per piece
+    # The first piece's private copy serves this process, then goes with it (it stayed,
+    # keeping the disk full); the cache is off for the pieces after it.
+    assert len(leftovers(tmp_path)) == 1
+    assert sorted(p.name for p in at_exit if isinstance(p, Path) and p.parent == tmp_path / "v1" / "tmp") == \
+        leftovers(tmp_path)
+
+
+def test_the_tmp_sweep_keeps_a_live_writers_entry_and_removes_a_dead_ones(tmp_path):
+    """A qaic-compile that ran over an hour without touching its directory's own mtime had
+    that directory swept from under it by the next process that wrote an entry."""
+    from qaic_dynamo.cache import HOST_TAG, STALE_TMP_SECONDS
+
+    tmp = tmp_path / "v1" / "tmp"
+    tmp.mkdir(parents=True)
+    dead_pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                                  text=True, check=True).stdout)
+    other_host = "0" * 8 if HOST_TAG != "0" * 8 else "1" * 8
+    names = {
+        "live_old": f"{'a' * 12}-{os.getpid()}-{HOST_TAG}-00000000",  # a compile running for two hours
+        "dead_new": f"{'b' * 12}-{dead_pid}-{HOST_TAG}-00000000",  # its writer exited a moment ago
+        "other_host_old": f"{'c' * 12}-{os.getpid()}-{other_host}-00000000",  # no pid to check: by age
+        "other_host_new": f"{'d' * 12}-{dead_pid}-{other_host}-00000000",
+        "trash_old": f"trash-{'e' * 12}-00000000",
+    }
+    old = time.time() - 2 * STALE_TMP_SECONDS
+    for key, name in names.items():
+        (tmp / name).mkdir()
+        if key.endswith("_old"):
+            os.utime(tmp / name, (old, old))
+    new = DiskCache(tmp_path, 1 << 30).new_tmp_dir("f" * 64)
+    assert leftovers(tmp_path) == sorted([names["live_old"], names["other_host_new"], new.name])
+
+
+def test_last_run_leaves_no_partial_file_on_a_full_disk(tmp_path, monkeypatch):
+    disk = DiskCache(tmp_path, 1 << 30)
+    disk.hits = 1
+
+    def no_space(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", no_space)
+    disk.write_last_run()
+    assert list((tmp_path / "v1").glob(".last_run.*")) == []  # one per process was left
 
 
 def test_a_disk_that_fills_while_a_piece_is_written_degrades_and_still_compiles(tmp_path, monkeypatch):
