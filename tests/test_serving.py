@@ -434,7 +434,10 @@ def test_a_gloo_hand_off_cut_by_the_prefill_workers_death_fails_only_that_reques
                     while handoffs.qsize() == 0:  # the second prompt's 5 chunks, then its hand-off posted
                         assert time.monotonic() < deadline, "the second request was never handed off"
                         time.sleep(0.005)
-                    os.kill(server.prefill_pid, signal.SIGKILL)  # in its send, or just before it
+                    # qsize counts a put before the queue's feeder thread has written it: give
+                    # it time to reach the pipe (the worker is blocked in its send by then).
+                    time.sleep(0.5)
+                    os.kill(server.prefill_pid, signal.SIGKILL)
                     time.sleep(0.2)
                 finally:
                     os.kill(server._decode.pid, signal.SIGCONT)
