@@ -1444,6 +1444,88 @@ def _expm1(x: Any) -> Any:
     return out.to(x.dtype)
 
 
+def _atan2(y: Any, x: Any) -> Any:
+    """``atan2`` by quadrant, as C's: onnxscript's translation puts y = +0 with x < 0 at
+    -pi (eager: pi - any point on the negative real axis), 0 / -0 at 0 (pi) and NaN at 0.
+    The sign of a zero is read as its reciprocal's; 0 / 0 and inf / inf, where atan(y / x)
+    is NaN, are set apart; float16 / bfloat16 in float32, integers in the default dtype.
+    float64 is left to the translation (ONNX Runtime has no float64 Atan to run either)."""
+    dtype = torch.result_type(y, x)
+    out = dtype if dtype.is_floating_point else torch.get_default_dtype()
+    if out == torch.float64:  # ONNX Runtime has no float64 Atan: such a piece runs eagerly, as before
+        return NotImplemented
+    work = torch.float32 if out in (torch.float16, torch.bfloat16) else out
+    y, x = torch.broadcast_tensors(*_operands(y, x, work))
+    y_neg = (y < 0) | ((y == 0) & (1 / y < 0))
+    x_neg = (x < 0) | ((x == 0) & (1 / x < 0))
+    half_turn = torch.where(y_neg, torch.full_like(y, -math.pi), torch.full_like(y, math.pi))  # pi with y's sign
+    base = torch.atan(y / x)
+    r = torch.where(x_neg, base + half_turn, base)
+    r = torch.where((y == 0) & (x == 0), torch.where(x_neg, half_turn, y), r)
+    r = torch.where(torch.isinf(y) & torch.isinf(x), torch.where(x_neg, 0.75 * half_turn, 0.25 * half_turn), r)
+    return r.to(out)
+
+
+def _exact_int64_sum(x: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Any:
+    """An int64 ``sum`` through CumSum, which ONNX Runtime computes exactly: its CPU
+    ReduceSum accumulates int64 in double (``[2**53 + 1, 2**53, 1]`` summed to
+    ``2**54``). The reduced dims are moved last and flattened; a zero in front makes an
+    empty sum 0."""
+    if (dtype or (torch.int64 if not x.dtype.is_floating_point and not x.dtype.is_complex else x.dtype)) != torch.int64:
+        return NotImplemented
+    x = x.to(torch.int64)
+    n = x.dim()
+    dims = sorted({d % n for d in dim} if dim is not None and len(dim) and n else range(n))
+    if not dims:  # a 0-d tensor
+        return x.clone()
+    kept = [d for d in range(n) if d not in dims]
+    flat = x.permute(*kept, *dims).reshape(*[x.shape[d] for d in kept], -1)
+    flat = torch.cat([flat.new_zeros(*flat.shape[:-1], 1), flat], dim=-1)
+    total = flat.cumsum(-1)[..., -1]
+    if keepdim:
+        for d in dims:
+            total = total.unsqueeze(d)
+    return total
+
+
+def _refuse(op: str, why: str) -> Callable[..., Any]:
+    """A decomposition that stops the lowering: the piece runs eagerly, with ``why``."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise LoweringError(f"{op}: {why}")
+
+    return refuse
+
+
+def _refuse_int64_prod(x: Any, *args: Any, dtype: Any = None, **kwargs: Any) -> Any:
+    if (dtype or (torch.int64 if not x.dtype.is_floating_point and not x.dtype.is_complex else x.dtype)) != torch.int64:
+        return NotImplemented
+    raise LoweringError("an int64 prod: ONNX Runtime's CPU ReduceProd multiplies int64 in double (3**39 loses its "
+                        "last digits, an overflow saturates where eager wraps); such a piece runs eagerly")
+
+
+def _batch_norm_no_training(x: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any, momentum: float,
+                            eps: float) -> Any:
+    """Eval-mode batch norm with its running statistics, as torch's CPU decomposition
+    computes it (float16 / bfloat16 in float32), with empty saved statistics. onnxscript's
+    translation declares those empty outputs with the channel count, which fails the ONNX
+    checker (every eval-mode BatchNorm piece ran eagerly); torch's own decomposition goes
+    through ``_native_batch_norm_legit``, whose schema writes the running statistics (the
+    piece would run eagerly as one writing its inputs)."""
+    work = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    shape = [-1] + [1] * (x.dim() - 2)  # channels in dim 1, broadcast over the rest
+
+    def channel(t: Any) -> Any:
+        return t.to(work).flatten().reshape(shape)
+
+    out = (x.to(work) - channel(running_mean)) * channel(1 / torch.sqrt(running_var.to(work) + eps))
+    if weight is not None:
+        out = out * channel(weight)
+    if bias is not None:
+        out = out + channel(bias)
+    return out.to(x.dtype), x.new_zeros((0,)), x.new_zeros((0,))
+
+
 _aten = torch.ops.aten
 #: Ops whose onnxscript translation disagrees with eager, decomposed in the aten trace.
 TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
@@ -1466,6 +1548,16 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
     _aten.remainder.Scalar_Tensor: _remainder,
     _aten.div.Tensor_mode: _div_mode,
     _aten.div.Scalar_mode: _div_mode,
+    _aten.atan2.default: _atan2,
+    _aten.sum.default: _exact_int64_sum,
+    _aten.sum.dim_IntList: _exact_int64_sum,
+    _aten.prod.default: _refuse_int64_prod,
+    _aten.prod.dim_int: _refuse_int64_prod,
+    # onnxscript's translation (a Loop over a sequence) crashes ONNX Runtime's session
+    # creation (a segfault) - and the artifact was on disk by then, for every later process
+    **{op: _refuse("embedding_bag", "ONNX Runtime crashes loading onnxscript's translation of it; such a piece runs "
+                   "eagerly") for op in (_aten._embedding_bag.default, _aten._embedding_bag_forward_only.default)},
+    _aten._native_batch_norm_legit_no_training.default: _batch_norm_no_training,
     _aten._scaled_dot_product_flash_attention_for_cpu.default: _masked_attention,
     **{getattr(_aten, name).Scalar: _reduced_float_comparison(getattr(_aten, name).Scalar)
        for name in ("eq", "ne", "lt", "le", "gt", "ge")},

@@ -853,6 +853,14 @@ _NEG_INF = torch.full((2, 3), float("-inf"))
 _LSE = torch.tensor([[-1000.0, -1000], [800, 799], [-60000, -60000], [10, 11]], dtype=torch.float16)
 _SMALL = torch.tensor([1e-8, 1e-6, -1e-7, 1e-3, 0.5, -0.5, 20.0, -1.0, 85.0, 88.5])  # (u - 1) * x overflowed past 84
 _LARGE = torch.tensor([1e-8, 1e36, 1e37, 1e38, 3e38])  # log(u) * x overflowed past 3.8e36
+_BIG = torch.tensor([2**53 + 1, 2**53, 1, -7, 2**40 + 3, 5])
+_BN = nn.BatchNorm2d(4).eval()
+_BN16 = nn.BatchNorm1d(4).eval().half()
+with torch.no_grad():
+    for _bn in (_BN, _BN16):
+        _bn.running_mean.uniform_(-1, 1, generator=torch.Generator().manual_seed(6))
+        _bn.running_var.uniform_(0.5, 2, generator=torch.Generator().manual_seed(7))
+        _bn.weight.uniform_(-2, 2, generator=torch.Generator().manual_seed(8))
 _LN16 = nn.LayerNorm(64).half()
 with torch.no_grad():
     _LN16.weight.normal_(generator=torch.Generator().manual_seed(1))
@@ -891,6 +899,17 @@ OPSCRIPT_DIFFERENCES = {
     "arange_float_bounds_int32": (lambda x: x + torch.arange(0.5, 10.5, 1.5, dtype=torch.int32),
                                   (torch.zeros(7, dtype=torch.int32),), 0),  # eager: 7 values
     "expm1": (lambda x: torch.expm1(x), (_SMALL,), 3e-7),
+    # ONNX Runtime's int64 ReduceSum accumulates in double: 2**54 for [2**53 + 1, 2**53, 1]
+    "sum_int64": (lambda x: x.sum(), (_BIG,), 0),
+    "sum_int64_dims": (lambda x: x.reshape(2, 3).sum(-1, keepdim=True) + x.reshape(2, 3).sum(0).sum(), (_BIG,), 0),
+    "sum_int64_3d": (lambda x: x.reshape(1, 2, 3).sum([0, 2]), (_BIG,), 0),
+    "sum_int32_to_int64": (lambda x: (x.int() % 1000).sum() + x.sum(), (_BIG,), 0),
+    "sum_int64_empty": (lambda x: x[:0].sum() + x.sum(), (_BIG,), 0),
+    # not silent, but every eval-mode BatchNorm piece ran eagerly (its translation failed the checker)
+    "batch_norm_eval": (lambda x: _BN(x) * 2, (torch.randn(2, 4, 3, 3, generator=torch.Generator().manual_seed(4)),),
+                        1e-6),
+    "batch_norm_eval_float16": (lambda x: _BN16(x) * 2, (torch.randn(2, 4, 7, generator=torch.Generator().manual_seed(5))
+                                                      .half(),), 0),
 }
 
 
@@ -900,6 +919,39 @@ def test_ops_onnxscript_translates_otherwise_give_eagers_values(case):
     out, expected = lowered_and_eager(fn, *args)
     assert out.dtype == expected.dtype and out.shape == expected.shape
     torch.testing.assert_close(out, expected, rtol=rtol, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64])  # float64: no ORT Atan, eager
+def test_atan2_gives_eagers_quadrants_zeros_and_nans(dtype):
+    # onnxscript's translation: atan2(+0, x < 0) = -pi (eager pi, as C), atan2(0, -0) = 0, NaN -> 0
+    inf, nan = float("inf"), float("nan")
+    y = torch.tensor([0.0, -0.0, 0.0, -0.0, 1.0, -1.0, nan, 1.0, 0.0, 1.0, 2.0, inf, inf, -inf, -inf, 1.0, 1e-30, 3.0])
+    x = torch.tensor([-1.0, -1.0, -0.0, -0.0, -1.0, -1.0, 1.0, nan, 0.0, 0.0, -0.0, inf, -inf, inf, -inf, -inf, -1.0,
+                      4.0])
+    if dtype == torch.int64:
+        y, x = torch.tensor([0, 0, 3, -3, 5, 0]), torch.tensor([-1, 0, -4, -4, 0, 5])
+    y, x = y.to(dtype), x.to(dtype)
+    out, expected = lowered_and_eager(lambda y, x: torch.atan2(y, x) * 1, y, x)
+    assert out.dtype == expected.dtype
+    torch.testing.assert_close(out, expected, rtol=1e-3 if dtype == torch.float16 else 3e-7, atol=0, equal_nan=True)
+    assert torch.equal(out.signbit(), expected.signbit()), (out, expected)  # -0.0, -pi
+
+
+@pytest.mark.parametrize("fn, args, why", [
+    # ONNX Runtime's int64 ReduceProd multiplies in double: 3**39 lost its last digits
+    (lambda x: x.prod() + 1, (torch.tensor([3**20, 3**19]),), "an int64 prod"),
+    (lambda x: x.reshape(1, 2).prod(1), (torch.tensor([2**40 + 1, 2**40 + 3]),), "an int64 prod"),  # eager wraps
+    # onnxscript's translation crashed ONNX Runtime's session creation (a segfault)
+    (lambda i, w: F.embedding_bag(i, w, torch.tensor([0, 3]), mode="mean") * 2,
+     (torch.tensor([0, 4, 2, 2, 0, 1]), torch.randn(5, 3, generator=torch.Generator().manual_seed(9))), "embedding_bag"),
+])
+def test_ops_onnx_runtime_gets_wrong_or_crashes_on_run_eagerly(fn, args, why):
+    from qaic_dynamo.backend import compile_reports
+
+    with compilation_counter.expect(num_backend_compilations=0, num_eager_fallbacks=1):
+        out = torch.compile(fn, backend="qaic")(*args)
+    assert torch.equal(out, fn(*args))
+    assert compile_reports()[-1].pieces[0].fallback.startswith(why)  # the warning says it once per reason
 
 
 @pytest.mark.parametrize("fn", [lambda x: x.amax() * 2, lambda x: x.amin(keepdim=True) + x,
