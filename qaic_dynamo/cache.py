@@ -46,12 +46,13 @@ import atexit
 import contextlib
 import enum
 import errno
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import re
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -71,29 +72,30 @@ logger = logging.getLogger("qaic_dynamo")
 
 FORMAT = "v1"
 META = "meta.json"
-#: Temporary entries older than this whose writer cannot be checked (another host's, see
-#: ``DiskCache._sweep_tmp``) are debris of a killed process.
+#: Temporary entries older than this that no writer lock covers (a trash directory, an
+#: older name) are debris of a killed process (see ``DiskCache._sweep_tmp``).
 STALE_TMP_SECONDS = 3600
-#: This host in the names of temporary entries (``{key}-{pid}-{host}-{uuid}``): a pid says
-#: whether its writer lives only on the host that wrote it.
-HOST_TAG = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+#: A temporary entry's name: ``{key[:12]}-w{writer}-{uuid}``, ``writer`` naming the lock
+#: ``locks/writer-{writer}.lock`` its process holds for as long as it lives.
+_TMP_NAME = re.compile(r"[0-9a-f]{12}-w(?P<writer>[0-9a-f]{16})-[0-9a-f]{8}")
 
 
-def _tmp_writer_alive(name: str) -> bool | None:
-    """Whether the process that made the temporary entry ``name`` is alive; None when this
-    host cannot tell (another host's entry, a trash directory, an older name)."""
-    parts = name.split("-")
-    if len(parts) != 4 or parts[2] != HOST_TAG or not parts[1].isdigit():
-        return None
+def _try_flock(path: Path) -> int | None:
+    """An open descriptor holding an exclusive flock on ``path``, or None if another
+    open file holds one (flock, not a pid: it works across PID namespaces - containers
+    sharing a hostname and a cache volume - and over NFS, and a pid can be reused)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        os.kill(int(parts[1]), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    except (OSError, OverflowError):
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
         return None
-    return True
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 #: How many artifacts of one piece, lowered under different size guards, a call site
 #: tries before it runs eagerly (each compile whose guards differ can add one).
 MAX_ASSUMPTION_CHAIN = 8
@@ -327,7 +329,8 @@ class CompileCache:
     def forget(self, keys: Iterable[str]) -> None:
         """Drop the artifacts and failures of ``keys`` from memory, and the scratch
         directories of those not in the persistent cache: keys only one graph can ever
-        look up (the backend's for code the key cannot cover), once that graph is gone."""
+        look up (the backend's for code the key cannot cover, never on disk), once that
+        graph is gone."""
         keys = set(keys)
         with self._lock:
             for k in [k for k in self._sessions if k[0] in keys]:
@@ -417,6 +420,8 @@ class DiskCache:
         self.usable = True
         self.hits = self.misses = self.writes = self.evictions = self.repairs = 0
         self._lock = threading.Lock()
+        self._writer: str | None = None  # this process's writer token (see _writer_token)
+        self._writer_fd: int | None = None  # the open file holding its lock
 
     @classmethod
     def get(cls, root: str | os.PathLike, size_limit: int) -> DiskCache:
@@ -515,7 +520,7 @@ class DiskCache:
             tmp = self.base / "tmp"
             tmp.mkdir(parents=True, exist_ok=True)
             self._sweep_tmp(tmp)
-            path = tmp / f"{key[:12]}-{os.getpid()}-{HOST_TAG}-{uuid.uuid4().hex[:8]}"
+            path = tmp / f"{key[:12]}-w{self._writer_token()}-{uuid.uuid4().hex[:8]}"
             path.mkdir()
             return path
         except OSError as e:
@@ -581,19 +586,43 @@ class DiskCache:
         finally:
             lock.release()
 
+    def _writer_token(self) -> str:
+        """This process's writer token, whose lock it holds until it exits (made once)."""
+        with self._lock:
+            if self._writer is None:
+                token = uuid.uuid4().hex[:16]
+                lock = self.base / "locks" / f"writer-{token}.lock"
+                lock.parent.mkdir(parents=True, exist_ok=True)
+                fd = _try_flock(lock)  # a fresh name: nobody else holds it
+                if fd is None:
+                    raise OSError(f"cannot lock {lock}")
+                self._writer, self._writer_fd = token, fd  # held open: released by the kernel at exit
+                atexit.register(lambda: lock.unlink(missing_ok=True))  # after the private copies' removal
+            return self._writer
+
     def _sweep_tmp(self, tmp: Path) -> None:
-        """Remove what writers that are gone left in ``tmp``: a directory of a process of
-        this host is removed once that process has exited, never while it lives (a
-        qaic-compile can run for hours without touching the directory's own mtime, and a
-        degraded commit's private copy serves its process until exit); anything else (a
-        directory of another host sharing the cache, a trash directory) once it is
-        ``STALE_TMP_SECONDS`` old."""
+        """Remove what writers that are gone left in ``tmp``: an entry whose writer lock
+        nobody holds (its process exited or was killed) at once, never one whose writer
+        lives (a qaic-compile can run for hours without touching the directory's own
+        mtime, and a degraded commit's private copy serves its process until exit);
+        anything else (a trash directory, an older name) once ``STALE_TMP_SECONDS`` old."""
         now = time.time()
         for p in tmp.iterdir():
             try:
-                alive = _tmp_writer_alive(p.name)
-                if alive is False or (alive is None and now - p.stat().st_mtime > STALE_TMP_SECONDS):
+                m = _TMP_NAME.fullmatch(p.name)
+                if m is None:
+                    if now - p.stat().st_mtime > STALE_TMP_SECONDS:
+                        shutil.rmtree(p, ignore_errors=True)
+                    continue
+                lock = self.base / "locks" / f"writer-{m['writer']}.lock"
+                fd = _try_flock(lock)
+                if fd is None:  # its writer lives
+                    continue
+                try:
                     shutil.rmtree(p, ignore_errors=True)
+                    lock.unlink(missing_ok=True)
+                finally:
+                    os.close(fd)
             except OSError:
                 pass
 

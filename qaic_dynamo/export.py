@@ -225,8 +225,11 @@ class ExportOptions:
         unknown = sorted(set(options) - valid)
         if unknown:
             raise ExportError(f"unknown export option(s) {unknown}; valid options: {sorted(valid)}")
-        if isinstance(options.get("compiler_options"), dict):
-            options["compiler_options"] = tuple(sorted(options["compiler_options"].items()))
+        co = options.get("compiler_options")
+        if isinstance(co, (list, tuple)) and all(isinstance(kv, (list, tuple)) and len(kv) == 2 for kv in co):
+            co = dict(co)  # pairs, as before: the same options as the dict (and the same hash)
+        if isinstance(co, dict):
+            options["compiler_options"] = tuple(sorted(co.items()))
         if isinstance(options.get("retained_buffers"), (list, str)):
             rb = options["retained_buffers"]
             options["retained_buffers"] = (rb,) if isinstance(rb, str) else tuple(rb)

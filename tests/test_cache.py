@@ -156,28 +156,42 @@ def test_full_disk_degrades_with_one_warning(tmp_path, monkeypatch):
 
 def test_the_tmp_sweep_keeps_a_live_writers_entry_and_removes_a_dead_ones(tmp_path):
     """A qaic-compile that ran over an hour without touching its directory's own mtime had
-    that directory swept from under it by the next process that wrote an entry."""
-    from qaic_dynamo.cache import HOST_TAG, STALE_TMP_SECONDS
+    that directory swept from under it by the next process that wrote an entry. Liveness
+    is a writer lock, not a pid (a container with its own pid namespace looked dead)."""
+    import fcntl
 
-    tmp = tmp_path / "v1" / "tmp"
+    from qaic_dynamo.cache import STALE_TMP_SECONDS
+
+    tmp, locks = tmp_path / "v1" / "tmp", tmp_path / "v1" / "locks"
     tmp.mkdir(parents=True)
-    dead_pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                                  text=True, check=True).stdout)
-    other_host = "0" * 8 if HOST_TAG != "0" * 8 else "1" * 8
+    locks.mkdir()
+    live, dead = "1" * 16, "2" * 16
+    held = os.open(locks / f"writer-{live}.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(held, fcntl.LOCK_EX)  # a writer that lives (here: this test)
+    (locks / f"writer-{dead}.lock").touch()  # its process exited: the kernel released the lock
     names = {
-        "live_old": f"{'a' * 12}-{os.getpid()}-{HOST_TAG}-00000000",  # a compile running for two hours
-        "dead_new": f"{'b' * 12}-{dead_pid}-{HOST_TAG}-00000000",  # its writer exited a moment ago
-        "other_host_old": f"{'c' * 12}-{os.getpid()}-{other_host}-00000000",  # no pid to check: by age
-        "other_host_new": f"{'d' * 12}-{dead_pid}-{other_host}-00000000",
-        "trash_old": f"trash-{'e' * 12}-00000000",
+        "live_old": f"{'a' * 12}-w{live}-00000000",  # a compile running for two hours
+        "dead_new": f"{'b' * 12}-w{dead}-00000000",  # killed a moment ago
+        "no_lock_file": f"{'c' * 12}-w{'3' * 16}-00000000",
+        "older_name_old": f"{'d' * 12}-4242-00000000",  # no writer lock to ask: by age
+        "older_name_new": f"{'e' * 12}-4242-00000001",
+        "trash_old": f"trash-{'f' * 12}-00000000",
     }
     old = time.time() - 2 * STALE_TMP_SECONDS
     for key, name in names.items():
         (tmp / name).mkdir()
         if key.endswith("_old"):
             os.utime(tmp / name, (old, old))
-    new = DiskCache(tmp_path, 1 << 30).new_tmp_dir("f" * 64)
-    assert leftovers(tmp_path) == sorted([names["live_old"], names["other_host_new"], new.name])
+    try:
+        new = DiskCache(tmp_path, 1 << 30).new_tmp_dir("f" * 64)
+        assert leftovers(tmp_path) == sorted([names["live_old"], names["older_name_new"], new.name])
+        assert sorted(p.name for p in locks.iterdir()) == sorted(
+            [f"writer-{live}.lock", f"writer-{new.name.split('-w')[1][:16]}.lock"])  # the dead writers' went too
+        # this process's own entry is live to another sweep
+        DiskCache(tmp_path, 1 << 30).new_tmp_dir("e" * 64)
+        assert new.is_dir()
+    finally:
+        os.close(held)
 
 
 def test_last_run_leaves_no_partial_file_on_a_full_disk(tmp_path, monkeypatch):

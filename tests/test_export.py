@@ -94,6 +94,14 @@ def test_valid_prefixes():
     assert validate_kv_cache_prefix(None) is None
 
 
+def test_compiler_options_as_pairs_are_the_dict():
+    # accepted before, refused by the option-name check at first
+    want = ExportOptions.from_options(compiler_options={"mos": 1, "mxfp6_matmul": True})
+    for pairs in ([("mos", 1), ("mxfp6_matmul", True)], (["mxfp6_matmul", True], ["mos", 1])):
+        got = ExportOptions.from_options(compiler_options=pairs)
+        assert got == want and got.compute_hash({}) == want.compute_hash({})
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(batch_size=0), "batch_size must be a positive int"),
     (dict(ctx_len=-1), "ctx_len must be a positive int"),
