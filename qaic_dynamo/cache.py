@@ -587,17 +587,28 @@ class DiskCache:
             lock.release()
 
     def _writer_token(self) -> str:
-        """This process's writer token, whose lock it holds until it exits (made once)."""
+        """This process's writer token, whose lock it holds until it exits. Made again if
+        its lock file is gone (``qaic-dynamo cache clear``): a lock held on a deleted file
+        protects nothing, and another writer's sweep would take the path."""
         with self._lock:
-            if self._writer is None:
-                token = uuid.uuid4().hex[:16]
-                lock = self.base / "locks" / f"writer-{token}.lock"
-                lock.parent.mkdir(parents=True, exist_ok=True)
-                fd = _try_flock(lock)  # a fresh name: nobody else holds it
-                if fd is None:
-                    raise OSError(f"cannot lock {lock}")
-                self._writer, self._writer_fd = token, fd  # held open: released by the kernel at exit
-                atexit.register(lambda: lock.unlink(missing_ok=True))  # after the private copies' removal
+            if self._writer is not None:
+                lock = self.base / "locks" / f"writer-{self._writer}.lock"
+                try:
+                    mine, there = os.fstat(self._writer_fd), os.stat(lock)
+                    if (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino):
+                        return self._writer
+                except FileNotFoundError:
+                    pass
+                os.close(self._writer_fd)
+                self._writer = self._writer_fd = None
+            token = uuid.uuid4().hex[:16]
+            lock = self.base / "locks" / f"writer-{token}.lock"
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            fd = _try_flock(lock)  # a fresh name: nobody else holds it
+            if fd is None:
+                raise OSError(f"cannot lock {lock}")
+            self._writer, self._writer_fd = token, fd  # held open: released by the kernel at exit
+            atexit.register(lambda: lock.unlink(missing_ok=True))  # after the private copies' removal
             return self._writer
 
     def _sweep_tmp(self, tmp: Path) -> None:
@@ -607,6 +618,7 @@ class DiskCache:
         mtime, and a degraded commit's private copy serves its process until exit);
         anything else (a trash directory, an older name) once ``STALE_TMP_SECONDS`` old."""
         now = time.time()
+        self._sweep_writer_locks(tmp, now)
         for p in tmp.iterdir():
             try:
                 m = _TMP_NAME.fullmatch(p.name)
@@ -623,6 +635,27 @@ class DiskCache:
                     lock.unlink(missing_ok=True)
                 finally:
                     os.close(fd)
+            except OSError:
+                pass
+
+    def _sweep_writer_locks(self, tmp: Path, now: float) -> None:
+        """Remove the lock files of writers that are gone and left no entry (a process
+        killed or stopped by a signal runs no exit handler). Only once ``STALE_TMP_SECONDS``
+        old: a new writer creates its file a moment before it locks it."""
+        locks = self.base / "locks"
+        if not locks.is_dir():
+            return
+        with_entries = {m["writer"] for p in tmp.iterdir() if (m := _TMP_NAME.fullmatch(p.name))}
+        for lock in locks.glob("writer-*.lock"):
+            try:
+                if lock.name[len("writer-"):-len(".lock")] in with_entries or now - lock.stat().st_mtime <= STALE_TMP_SECONDS:
+                    continue
+                fd = _try_flock(lock)
+                if fd is not None:
+                    try:
+                        lock.unlink(missing_ok=True)
+                    finally:
+                        os.close(fd)
             except OSError:
                 pass
 

@@ -1447,45 +1447,56 @@ def _expm1(x: Any) -> Any:
 def _atan2(y: Any, x: Any) -> Any:
     """``atan2`` by quadrant, as C's: onnxscript's translation puts y = +0 with x < 0 at
     -pi (eager: pi - any point on the negative real axis), 0 / -0 at 0 (pi) and NaN at 0.
-    The sign of a zero is read as its reciprocal's; 0 / 0 and inf / inf, where atan(y / x)
-    is NaN, are set apart; float16 / bfloat16 in float32, integers in the default dtype.
-    float64 is left to the translation (ONNX Runtime has no float64 Atan to run either)."""
+    The sign of a zero is read as its reciprocal's; 0 / 0 divides by 1 instead (atan(+-0)
+    then keeps y's sign: ONNX Runtime's Where drops the sign of a zero it takes from its
+    first branch), and inf / inf is set apart. The operands are rounded to the result type
+    first, as eager does (a float32 1e5 is inf beside float16), float16 / bfloat16 then
+    computed in float32, integers in the default dtype. float64 is left to the
+    translation (ONNX Runtime has no float64 Atan to run either)."""
     dtype = torch.result_type(y, x)
     out = dtype if dtype.is_floating_point else torch.get_default_dtype()
-    if out == torch.float64:  # ONNX Runtime has no float64 Atan: such a piece runs eagerly, as before
+    if out == torch.float64:
         return NotImplemented
     work = torch.float32 if out in (torch.float16, torch.bfloat16) else out
-    y, x = torch.broadcast_tensors(*_operands(y, x, work))
+    y, x = torch.broadcast_tensors(*(t.to(work) for t in _operands(y, x, out)))
     y_neg = (y < 0) | ((y == 0) & (1 / y < 0))
     x_neg = (x < 0) | ((x == 0) & (1 / x < 0))
     half_turn = torch.where(y_neg, torch.full_like(y, -math.pi), torch.full_like(y, math.pi))  # pi with y's sign
-    base = torch.atan(y / x)
+    base = torch.atan(y / torch.where((y == 0) & (x == 0), torch.ones_like(x), x))
     r = torch.where(x_neg, base + half_turn, base)
-    r = torch.where((y == 0) & (x == 0), torch.where(x_neg, half_turn, y), r)
     r = torch.where(torch.isinf(y) & torch.isinf(x), torch.where(x_neg, 0.75 * half_turn, 0.25 * half_turn), r)
     return r.to(out)
 
 
-def _exact_int64_sum(x: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Any:
-    """An int64 ``sum`` through CumSum, which ONNX Runtime computes exactly: its CPU
-    ReduceSum accumulates int64 in double (``[2**53 + 1, 2**53, 1]`` summed to
-    ``2**54``). The reduced dims are moved last and flattened; a zero in front makes an
-    empty sum 0."""
-    if (dtype or (torch.int64 if not x.dtype.is_floating_point and not x.dtype.is_complex else x.dtype)) != torch.int64:
+def _integer_result(x: Any, dtype: Any) -> Any:
+    """The result type of an integer reduction of ``x`` (``dtype`` if given; integers and
+    bool widen to int64, as eager), or None for a floating one."""
+    out = dtype or (torch.int64 if not x.dtype.is_floating_point and not x.dtype.is_complex else x.dtype)
+    return out if not out.is_floating_point and not out.is_complex and out != torch.bool else None
+
+
+def _exact_integer_sum(x: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Any:
+    """An integer ``sum`` through CumSum in int64, which ONNX Runtime computes exactly: its
+    CPU ReduceSum accumulates int64 in double (``[2**53 + 1, 2**53, 1]`` summed to
+    ``2**54``) and saturates an int32 sum where eager wraps (the int64 sum cast to int32
+    wraps, as eager's). The reduced dims are moved last and flattened; a zero in front
+    makes an empty sum 0."""
+    out = _integer_result(x, dtype)
+    if out is None:
         return NotImplemented
     x = x.to(torch.int64)
     n = x.dim()
     dims = sorted({d % n for d in dim} if dim is not None and len(dim) and n else range(n))
     if not dims:  # a 0-d tensor
-        return x.clone()
+        return x.to(out)
     kept = [d for d in range(n) if d not in dims]
-    flat = x.permute(*kept, *dims).reshape(*[x.shape[d] for d in kept], -1)
+    flat = x.permute(*kept, *dims).reshape(*[x.shape[d] for d in kept], math.prod(x.shape[d] for d in dims))
     flat = torch.cat([flat.new_zeros(*flat.shape[:-1], 1), flat], dim=-1)
     total = flat.cumsum(-1)[..., -1]
     if keepdim:
         for d in dims:
             total = total.unsqueeze(d)
-    return total
+    return total.to(out)
 
 
 def _refuse(op: str, why: str) -> Callable[..., Any]:
@@ -1497,11 +1508,11 @@ def _refuse(op: str, why: str) -> Callable[..., Any]:
     return refuse
 
 
-def _refuse_int64_prod(x: Any, *args: Any, dtype: Any = None, **kwargs: Any) -> Any:
-    if (dtype or (torch.int64 if not x.dtype.is_floating_point and not x.dtype.is_complex else x.dtype)) != torch.int64:
+def _refuse_integer_prod(x: Any, *args: Any, dtype: Any = None, **kwargs: Any) -> Any:
+    if _integer_result(x, dtype) is None:
         return NotImplemented
-    raise LoweringError("an int64 prod: ONNX Runtime's CPU ReduceProd multiplies int64 in double (3**39 loses its "
-                        "last digits, an overflow saturates where eager wraps); such a piece runs eagerly")
+    raise LoweringError("an integer prod: ONNX Runtime's CPU ReduceProd multiplies int64 in double (3**39 loses its "
+                        "last digits) and saturates an overflow where eager wraps; such a piece runs eagerly")
 
 
 def _batch_norm_no_training(x: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any, momentum: float,
@@ -1549,10 +1560,10 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
     _aten.div.Tensor_mode: _div_mode,
     _aten.div.Scalar_mode: _div_mode,
     _aten.atan2.default: _atan2,
-    _aten.sum.default: _exact_int64_sum,
-    _aten.sum.dim_IntList: _exact_int64_sum,
-    _aten.prod.default: _refuse_int64_prod,
-    _aten.prod.dim_int: _refuse_int64_prod,
+    _aten.sum.default: _exact_integer_sum,
+    _aten.sum.dim_IntList: _exact_integer_sum,
+    _aten.prod.default: _refuse_integer_prod,
+    _aten.prod.dim_int: _refuse_integer_prod,
     # onnxscript's translation (a Loop over a sequence) crashes ONNX Runtime's session
     # creation (a segfault) - and the artifact was on disk by then, for every later process
     **{op: _refuse("embedding_bag", "ONNX Runtime crashes loading onnxscript's translation of it; such a piece runs "

@@ -925,9 +925,10 @@ def test_ops_onnxscript_translates_otherwise_give_eagers_values(case):
 def test_atan2_gives_eagers_quadrants_zeros_and_nans(dtype):
     # onnxscript's translation: atan2(+0, x < 0) = -pi (eager pi, as C), atan2(0, -0) = 0, NaN -> 0
     inf, nan = float("inf"), float("nan")
-    y = torch.tensor([0.0, -0.0, 0.0, -0.0, 1.0, -1.0, nan, 1.0, 0.0, 1.0, 2.0, inf, inf, -inf, -inf, 1.0, 1e-30, 3.0])
+    y = torch.tensor([0.0, -0.0, 0.0, -0.0, 1.0, -1.0, nan, 1.0, 0.0, 1.0, 2.0, inf, inf, -inf, -inf, 1.0, 1e-30, 3.0,
+                      -0.0])
     x = torch.tensor([-1.0, -1.0, -0.0, -0.0, -1.0, -1.0, 1.0, nan, 0.0, 0.0, -0.0, inf, -inf, inf, -inf, -inf, -1.0,
-                      4.0])
+                      4.0, 0.0])  # -0 / +0 is -0: ONNX Runtime's Where lost that sign
     if dtype == torch.int64:
         y, x = torch.tensor([0, 0, 3, -3, 5, 0]), torch.tensor([-1, 0, -4, -4, 0, 5])
     y, x = y.to(dtype), x.to(dtype)
@@ -937,10 +938,30 @@ def test_atan2_gives_eagers_quadrants_zeros_and_nans(dtype):
     assert torch.equal(out.signbit(), expected.signbit()), (out, expected)  # -0.0, -pi
 
 
+def test_atan2_rounds_a_wider_operand_to_the_result_type_first():
+    # float16 with a float32 0-d tensor is float16: eager's 1e5 is inf there, so atan2 is 0
+    h = torch.tensor([1000.0, 1.0, -3.0], dtype=torch.float16)
+    out, expected = lowered_and_eager(lambda h, x: torch.atan2(h, x) * 1, h, torch.tensor(1e5))
+    assert out.dtype == expected.dtype == torch.float16 and torch.equal(out, expected)
+    assert torch.equal(out.signbit(), expected.signbit())
+
+
+@pytest.mark.parametrize("fn, x", [
+    (lambda x: x.reshape(0, 3).sum(1) + 1, torch.zeros(0, dtype=torch.long)),  # a kept dim of 0 ran eagerly
+    (lambda x: x.reshape(2, 0, 3).sum(2, keepdim=True) + 1, torch.zeros(0, dtype=torch.long)),
+    # an int32 sum saturated where eager wraps
+    (lambda x: x.sum(dim=1, dtype=torch.int32) + 1, torch.full((3, 4), 2**30, dtype=torch.int32)),
+])
+def test_integer_sums_of_empty_and_overflowing_tensors_are_eagers(fn, x):
+    out, expected = lowered_and_eager(fn, x)
+    assert out.dtype == expected.dtype and torch.equal(out, expected)
+
+
 @pytest.mark.parametrize("fn, args, why", [
+    (lambda x: x.prod(1, dtype=torch.int32), (torch.full((2, 40), 3, dtype=torch.int32),), "an integer prod"),
     # ONNX Runtime's int64 ReduceProd multiplies in double: 3**39 lost its last digits
-    (lambda x: x.prod() + 1, (torch.tensor([3**20, 3**19]),), "an int64 prod"),
-    (lambda x: x.reshape(1, 2).prod(1), (torch.tensor([2**40 + 1, 2**40 + 3]),), "an int64 prod"),  # eager wraps
+    (lambda x: x.prod() + 1, (torch.tensor([3**20, 3**19]),), "an integer prod"),
+    (lambda x: x.reshape(1, 2).prod(1), (torch.tensor([2**40 + 1, 2**40 + 3]),), "an integer prod"),  # eager wraps
     # onnxscript's translation crashed ONNX Runtime's session creation (a segfault)
     (lambda i, w: F.embedding_bag(i, w, torch.tensor([0, 3]), mode="mean") * 2,
      (torch.tensor([0, 4, 2, 2, 0, 1]), torch.randn(5, 3, generator=torch.Generator().manual_seed(9))), "embedding_bag"),

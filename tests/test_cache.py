@@ -194,6 +194,45 @@ def test_the_tmp_sweep_keeps_a_live_writers_entry_and_removes_a_dead_ones(tmp_pa
         os.close(held)
 
 
+def test_a_writer_whose_lock_file_was_cleared_takes_a_new_one(tmp_path):
+    """``qaic-dynamo cache clear`` removed a live process's lock file: its lock then
+    protected nothing, and the next writer's sweep removed that process's entries."""
+    from qaic_dynamo.cache import _try_flock
+
+    disk = DiskCache(tmp_path, 1 << 30)
+    first = disk.new_tmp_dir("a" * 64).name.split("-w")[1][:16]
+    DiskCache(tmp_path, 1 << 30).clear()
+    entry = disk.new_tmp_dir("b" * 64)
+    token = entry.name.split("-w")[1][:16]
+    assert token != first
+    assert _try_flock(tmp_path / "v1" / "locks" / f"writer-{token}.lock") is None  # held: the entry is safe
+    DiskCache(tmp_path, 1 << 30).new_tmp_dir("c" * 64)  # another writer's sweep
+    assert entry.is_dir()
+
+
+def test_the_sweep_removes_old_lock_files_of_writers_that_are_gone(tmp_path):
+    """A process killed (or stopped by SIGTERM: no exit handlers) left its lock file for good."""
+    import fcntl
+
+    from qaic_dynamo.cache import STALE_TMP_SECONDS
+
+    locks = tmp_path / "v1" / "locks"
+    locks.mkdir(parents=True)
+    gone, live, fresh = (locks / f"writer-{c * 16}.lock" for c in "123")
+    for f in (gone, live, fresh):
+        f.touch()
+    old = time.time() - 2 * STALE_TMP_SECONDS
+    for f in (gone, live):
+        os.utime(f, (old, old))
+    held = os.open(live, os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        mine = DiskCache(tmp_path, 1 << 30).new_tmp_dir("d" * 64).name.split("-w")[1][:16]
+        assert sorted(p.name for p in locks.iterdir()) == sorted([live.name, fresh.name, f"writer-{mine}.lock"])
+    finally:
+        os.close(held)
+
+
 def test_last_run_leaves_no_partial_file_on_a_full_disk(tmp_path, monkeypatch):
     disk = DiskCache(tmp_path, 1 << 30)
     disk.hits = 1
