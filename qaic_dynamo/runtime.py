@@ -332,7 +332,7 @@ class PieceRunner(torch.nn.Module):
         b = self._binding(slot)
         if caches is None:
             caches = self._caches(ctx) if self._updates else []
-        keep: list[torch.Tensor] = []  # contiguous copies must outlive the run
+        keep: list[torch.Tensor] = []  # what is bound but not the caller's must outlive the run
         for name, src in self._inputs:
             kind = src[0]
             if kind == "arg":
@@ -343,7 +343,9 @@ class PieceRunner(torch.nn.Module):
             elif kind == "cache":
                 t = caches[src[1]][src[2]]
             elif kind == "size":
+                # Kept too: another thread may grow the shared buffer during this run.
                 t = self._size_carrier(int(args[src[1]]))
+                keep.append(t)
             else:
                 t = ctx.attn_metadata.slot_mapping_i64
             self._attach(b, name, t)

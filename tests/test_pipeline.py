@@ -604,6 +604,13 @@ def test_a_size_no_tensor_carries_reaches_the_onnx_through_a_carrier():
             torch.testing.assert_close(fn(x, n), f(x, n), rtol=0, atol=0)
     layout = json.loads((Path(last_compile_report().pieces[0].artifact) / LAYOUT_FILE).read_text())
     assert ["size", 0] in [i["source"] for i in layout["inputs"]]
+    # The bound carrier outlives the run: the runner's shared buffer may be replaced (grown
+    # by another thread) meanwhile, and the binding must not point at freed memory.
+    (runner,) = last_compile_report().runners()
+    runner._size_carrier(50)  # what another thread's call does after the last call (n=9) bound
+    bound = runner.bound_inputs()[0]
+    carrier = next(name for name, src in runner._inputs if src[0] == "size")
+    assert bound[carrier] in [t.data_ptr() for t in runner._this_thread().keep]
 
 
 @pytest.mark.parametrize("fallback", ["eager", "error"])
