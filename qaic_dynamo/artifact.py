@@ -290,10 +290,12 @@ def load(path: Path, num_threads: int | None = None) -> Artifact:
     if layout.has_model:
         try:
             # EliminateDropout removes every Dropout whose mask is unused, training_mode or
-            # not: a training-mode piece from the exporter lost its dropout.
+            # not: a training-mode piece from the exporter lost its dropout. EliminateIdentity
+            # would remove the Identity nodes that keep float16 roundings (lowering's
+            # _keep_reduced_float_roundings).
             session = ort.InferenceSession(
                 str(path / ONNX_FILE), sess_options=session_options(threads), providers=["CPUExecutionProvider"],
-                disabled_optimizers=["EliminateDropout"],
+                disabled_optimizers=["EliminateDropout", "EliminateIdentity"],
             )
         except Exception as e:
             raise ArtifactError(f"ONNX Runtime could not load {path / ONNX_FILE}: {str(e).splitlines()[0]}") from e

@@ -255,7 +255,10 @@ def kv_updates_to_retained_state(rw: _Rewrite) -> None:
             op = kv_cache_update_op(node.target)
             suffix = f".{u}" if len(rw.updates) > 1 else ""
             names = [f"{stem}{suffix}" for stem in op.retained_state]
-            cache_inputs += [g.placeholder(names[0]), g.placeholder(names[1])]
+            # The ONNX inputs take these names (the layout's); the FX placeholders, which
+            # become Python identifiers, cannot hold the dot (two updates in a piece failed
+            # to lower with a SyntaxError).
+            cache_inputs += [g.placeholder(n.replace(".", "_")) for n in names[:2]]
             layer = node.kwargs.get("layer_name", node.args[2] if len(node.args) > 2 else None)
             if not isinstance(layer, str):
                 raise LoweringError(f"{node.name}: the layer name must be a constant string, got {layer!r}")
@@ -671,11 +674,43 @@ def _finish(model: onnx.ModelProto, layout: PieceLayout, opset: int) -> onnx.Mod
     if layout.kv_updates and not any(n.op_type == "KVCacheScatter" and n.domain == QAIC_DOMAIN for n in model.graph.node):
         raise LoweringError("the exported model has no KVCacheScatter node for its cache update")
     model = finish_model(model, opset)
+    _keep_reduced_float_roundings(model)
     names = [i.name for i in model.graph.input]
     want = [i["name"] for i in layout.inputs]
     if names != want:
         raise LoweringError(f"the lowered model's inputs differ from the piece's: expected {want}, got {names}")
     return model
+
+
+_REDUCED_FLOATS = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+
+
+def _keep_reduced_float_roundings(model: onnx.ModelProto) -> None:
+    """Keep the roundings to float16 / bfloat16 that ONNX Runtime's CPU cast insertion
+    drops: it runs such ops in float32 and, around a Cast next to one, changes the Cast to
+    float32 too, so ``(x.half() * 2).float()`` of a float32 ``x`` came back never rounded
+    (1000.123 * 2 gave 2000.246, eager 2000) and a float16 chain widened by a Cast was not
+    rounded at its end. An Identity after every Cast to a reduced float and before every
+    Cast from one (its kernel takes float16, so the cast insertion leaves those Casts
+    alone) keeps them; the session must not remove Identity nodes (``artifact.load``).
+    Within a chain of float16 ops ONNX Runtime still rounds once (docs/usage.md)."""
+    types = {v.name: v.type.tensor_type.elem_type
+             for v in (*model.graph.input, *model.graph.value_info, *model.graph.output)}
+    types.update({t.name: t.data_type for t in model.graph.initializer})
+    nodes: list[onnx.NodeProto] = []
+    for i, node in enumerate(model.graph.node):
+        to = next((a.i for a in node.attribute if a.name == "to"), None) if node.op_type == "Cast" and not node.domain else None
+        if to is not None and to not in _REDUCED_FLOATS and types.get(node.input[0]) in _REDUCED_FLOATS:
+            kept = f"{node.input[0]}__rounded_{i}"
+            nodes.append(onnx.helper.make_node("Identity", [node.input[0]], [kept], name=f"keep_rounding_{i}"))
+            node.input[0] = kept
+        nodes.append(node)
+        if to in _REDUCED_FLOATS:
+            rounded = f"{node.output[0]}__rounded_{i}"
+            nodes.append(onnx.helper.make_node("Identity", [rounded], [node.output[0]], name=f"keep_rounding_out_{i}"))
+            node.output[0] = rounded
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
 
 
 def finish_model(model: onnx.ModelProto, opset: int, check: bool = True) -> onnx.ModelProto:

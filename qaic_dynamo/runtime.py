@@ -217,6 +217,18 @@ def no_backward(label: str, run: Callable[[], Any], inputs: Sequence[Any], keep:
     return flat[0] if isinstance(out, torch.Tensor) else type(out)(flat)
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[start, end)`` a tensor's elements lie in (empty for no elements)."""
+    if t.numel() == 0:
+        return (0, 0)
+    start = t.data_ptr()
+    return start, start + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
 class PieceRunner(torch.nn.Module):
     """One call site of an artifact; falls back to the eager piece if a run fails.
 
@@ -317,6 +329,13 @@ class PieceRunner(torch.nn.Module):
                         f"{self.label}: the KV cache of layer '{real}' is not contiguous (shape {tuple(t.shape)}, "
                         f"stride {t.stride()}); pass contiguous caches in the forward context (e.g. .contiguous())"
                     )
+            spans = [_span(t) for t in tensors]
+            if any(_overlap(a, b) for i, a in enumerate(spans) for b in spans[i + 1:]):
+                # Both are written in place in one run: which write lands last is up to
+                # ONNX Runtime, and attention would read the other.
+                raise CacheLayoutError(
+                    f"{self.label}: the caches of layer '{real}' share memory (e.g. one tensor given as both its key "
+                    "and value cache); give each cache a tensor of its own in the forward context")
             caches.append(tensors)
         return caches
 
@@ -333,11 +352,24 @@ class PieceRunner(torch.nn.Module):
         if caches is None:
             caches = self._caches(ctx) if self._updates else []
         keep: list[torch.Tensor] = []  # what is bound but not the caller's must outlive the run
+        # The caches' bounds, to tell cheaply (two compares an input) that an input does
+        # not share their memory: a piece reading a cache it updates in place would read it
+        # as ONNX Runtime orders the two, eager reads it before the update.
+        lo, hi = ((min(c.data_ptr() for layer in caches for c in layer),
+                   max(c.data_ptr() + c.nbytes for layer in caches for c in layer)) if caches else (0, 0))
         for name, src in self._inputs:
             kind = src[0]
             if kind == "arg":
                 t = args[src[1]]
-                if not t.is_contiguous():
+                contiguous = t.is_contiguous()
+                if hi:
+                    start = t.data_ptr()
+                    end = start + t.nbytes if contiguous else _span(t)[1]
+                    if start < hi and lo < end and start < end and any(
+                            _overlap((start, end), _span(c)) for layer in caches for c in layer):
+                        raise PieceRunError(f"input {name} shares memory with a KV cache this piece updates in place, "
+                                            "which ONNX Runtime may read after the update (eager reads it before)")
+                if not contiguous:
                     t = t.contiguous()
                     keep.append(t)
             elif kind == "cache":

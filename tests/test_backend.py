@@ -772,6 +772,7 @@ def test_in_place_ops_on_intermediates_are_lowered_not_dropped():
 # --- eager's arithmetic where ONNX's differs ---------------------------------------------------
 
 _V = torch.tensor([1.0, 5.0, 0.7, 2.0, -1.0, -0.7, 7.0, 0.0])
+_ROUND = torch.tensor([0.1, 1 / 3, 3.14159265, 1000.123, 70000.0, 1e-7, -2.5e-5])  # past float16's range and below
 _BIG = torch.tensor([16777217, -16777219, 123456789, -987654321, 7, -7, 0])  # past float32's 2**24
 EAGER_ARITHMETIC = {  # the first two: 1.0 // 0.1 is 9 in eager and Python (0.1 is above a tenth), 10 as Floor(Div)
     "float-floordiv": (lambda a: a // 0.1, _V),
@@ -853,6 +854,7 @@ _NEG_INF = torch.full((2, 3), float("-inf"))
 _LSE = torch.tensor([[-1000.0, -1000], [800, 799], [-60000, -60000], [10, 11]], dtype=torch.float16)
 _SMALL = torch.tensor([1e-8, 1e-6, -1e-7, 1e-3, 0.5, -0.5, 20.0, -1.0, 85.0, 88.5])  # (u - 1) * x overflowed past 84
 _LARGE = torch.tensor([1e-8, 1e36, 1e37, 1e38, 3e38])  # log(u) * x overflowed past 3.8e36
+_ROUND = torch.tensor([0.1, 1 / 3, 3.14159265, 1000.123, 70000.0, 1e-7, -2.5e-5])  # past float16's range and below
 _BIG = torch.tensor([2**53 + 1, 2**53, 1, -7, 2**40 + 3, 5])
 _BN = nn.BatchNorm2d(4).eval()
 _BN16 = nn.BatchNorm1d(4).eval().half()
@@ -906,6 +908,9 @@ OPSCRIPT_DIFFERENCES = {
     "sum_int32_to_int64": (lambda x: (x.int() % 1000).sum() + x.sum(), (_BIG,), 0),
     "sum_int64_empty": (lambda x: x[:0].sum() + x.sum(), (_BIG,), 0),
     # not silent, but every eval-mode BatchNorm piece ran eagerly (its translation failed the checker)
+    # ONNX Runtime ran the float16 op in float32 and dropped both Casts: never rounded
+    "float16_round_trip": (lambda x: (x.half() * 2).float() + (x.half() + 1).float(), (_ROUND,), 0),
+    "float16_op_widened": (lambda h: (h * h).float() * 3, (_ROUND.half(),), 0),
     "batch_norm_eval": (lambda x: _BN(x) * 2, (torch.randn(2, 4, 3, 3, generator=torch.Generator().manual_seed(4)),),
                         1e-6),
     "batch_norm_eval_float16": (lambda x: _BN16(x) * 2, (torch.randn(2, 4, 7, generator=torch.Generator().manual_seed(5))

@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import qaic_dynamo
-from qaic_dynamo import compilation_counter, fingerprint as fingerprint_stage
+from qaic_dynamo import build_attention_metadata, compilation_counter, fingerprint as fingerprint_stage, ops, set_forward_context
 from qaic_dynamo.artifact import LAYOUT_FILE, LAYOUT_FORMAT, ArtifactError, PieceLayout
 from qaic_dynamo.backend import QaicBackend, last_compile_report
 from qaic_dynamo.cache import DiskCache, Source, artifact_cache
@@ -292,6 +292,64 @@ def test_a_strided_kv_cache_is_a_clear_error():
     with pytest.raises(CacheLayoutError, match=r"KV cache of layer 'model.layers.0.self_attn' is not contiguous.*\.contiguous\(\)"), \
             torch.no_grad():
         driver.step(compiled, PROMPTS)
+
+
+def _caches(n_layers: int = 1, shared: bool = False) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    out = {}
+    for i in range(n_layers):
+        k = torch.zeros(2, 1, 4, 8)
+        out[f"l{i}"] = (k, k if shared else torch.zeros(2, 1, 4, 8))
+    return out
+
+
+def _run_updates(fn, caches, compiled, *args, **options):
+    md = build_attention_metadata([3], [3], [[0]], 4)
+    with torch.no_grad(), set_forward_context(md, caches, list(caches)):
+        return (torch.compile(fn, backend="qaic", options=options) if compiled else fn)(*args)
+
+
+def test_two_cache_updates_in_one_piece_are_lowered():
+    # The second update's cache inputs were FX placeholders named "past_key.1": a
+    # SyntaxError in the generated code, and the piece ran eagerly (found by review).
+    def g(k, v):
+        ops.unified_kv_cache_update(k * 1, v * 2, "from_forward_context")
+        ops.unified_kv_cache_update(k * 3, v * 4, "from_forward_context")
+        return k + 1
+
+    k, v = torch.randn(3, 1, 8, generator=torch.Generator().manual_seed(0)), torch.ones(3, 1, 8)
+    want, got = _caches(2), _caches(2)
+    expected = _run_updates(g, want, False, k, v)
+    with compilation_counter.expect(num_backend_compilations=1, num_eager_fallbacks=0):
+        out = _run_updates(g, got, True, k, v, fallback="error")
+    assert torch.equal(out, expected)
+    assert all(torch.equal(a, b) for n in want for a, b in zip(want[n], got[n]))
+
+
+def test_a_piece_reading_a_cache_it_updates_runs_eagerly():
+    # The cache was both a plain input and the in-place output: ONNX Runtime wrote it
+    # before the read, so the piece saw the new contents (eager: the old). Silent.
+    def f(k, key_cache):
+        before = key_cache.sum() * 1.0
+        ops.unified_kv_cache_update(k, k, "from_forward_context")
+        return before
+
+    want, got = _caches(), _caches()
+    expected = _run_updates(f, want, False, torch.ones(3, 1, 8), want["l0"][0])
+    with pytest.warns(RuntimeWarning, match="input arg0 shares memory with a KV cache this piece updates in place"), \
+            compilation_counter.expect(num_backend_compilations=1, num_eager_fallbacks=1):
+        out = _run_updates(f, got, True, torch.ones(3, 1, 8), got["l0"][0])
+    assert out.item() == expected.item() == 0.0
+    assert torch.equal(want["l0"][0], got["l0"][0])
+
+
+def test_one_tensor_as_key_and_value_cache_is_a_clear_error():
+    # Both written in place in one run: the value cache held the key (found by review).
+    def f(k, v):
+        ops.unified_kv_cache_update(k, v, "from_forward_context")
+        return k + 1
+
+    with pytest.raises(CacheLayoutError, match="the caches of layer 'l0' share memory .* a tensor of its own"):
+        _run_updates(f, _caches(shared=True), True, torch.ones(3, 1, 8), torch.full((3, 1, 8), 10.0))
 
 
 # --- bug 5: threads ----------------------------------------------------------------------------------
