@@ -673,8 +673,7 @@ def _finish(model: onnx.ModelProto, layout: PieceLayout, opset: int) -> onnx.Mod
     """Make the exported piece self-contained and clean, and check it."""
     if layout.kv_updates and not any(n.op_type == "KVCacheScatter" and n.domain == QAIC_DOMAIN for n in model.graph.node):
         raise LoweringError("the exported model has no KVCacheScatter node for its cache update")
-    model = finish_model(model, opset)
-    _keep_reduced_float_roundings(model)
+    model = finish_model(model, opset, keep_roundings=True)
     names = [i.name for i in model.graph.input]
     want = [i["name"] for i in layout.inputs]
     if names != want:
@@ -693,14 +692,16 @@ def _keep_reduced_float_roundings(model: onnx.ModelProto) -> None:
     rounded at its end. An Identity after every Cast to a reduced float and before every
     Cast from one (its kernel takes float16, so the cast insertion leaves those Casts
     alone) keeps them; the session must not remove Identity nodes (``artifact.load``).
-    Within a chain of float16 ops ONNX Runtime still rounds once (docs/usage.md)."""
+    Within a chain of float16 ops ONNX Runtime still rounds once, and Casts inside If / Loop
+    bodies (``torch.cond``) are left as they are (docs/usage.md)."""
     types = {v.name: v.type.tensor_type.elem_type
              for v in (*model.graph.input, *model.graph.value_info, *model.graph.output)}
     types.update({t.name: t.data_type for t in model.graph.initializer})
     nodes: list[onnx.NodeProto] = []
     for i, node in enumerate(model.graph.node):
         to = next((a.i for a in node.attribute if a.name == "to"), None) if node.op_type == "Cast" and not node.domain else None
-        if to is not None and to not in _REDUCED_FLOATS and types.get(node.input[0]) in _REDUCED_FLOATS:
+        # An input of unknown type gets one too: an Identity costs nothing where none is needed.
+        if to is not None and to not in _REDUCED_FLOATS and types.get(node.input[0], _REDUCED_FLOATS[0]) in _REDUCED_FLOATS:
             kept = f"{node.input[0]}__rounded_{i}"
             nodes.append(onnx.helper.make_node("Identity", [node.input[0]], [kept], name=f"keep_rounding_{i}"))
             node.input[0] = kept
@@ -713,10 +714,12 @@ def _keep_reduced_float_roundings(model: onnx.ModelProto) -> None:
     model.graph.node.extend(nodes)
 
 
-def finish_model(model: onnx.ModelProto, opset: int, check: bool = True) -> onnx.ModelProto:
+def finish_model(model: onnx.ModelProto, opset: int, check: bool = True, keep_roundings: bool = False) -> onnx.ModelProto:
     """Make a translated model self-contained and clean (onnxscript's helper functions
     inlined, our functions attached, no unused initializers) and, with ``check``, pass
-    ``onnx.checker.check_model(full_check=True)``."""
+    ``onnx.checker.check_model(full_check=True)``. ``keep_roundings``: for ONNX Runtime
+    (:func:`_keep_reduced_float_roundings`; the deployment export's models are for the
+    QAIC compiler)."""
     model.ir_version = min(model.ir_version, MAX_IR_VERSION)
     # Helper functions of onnxscript's torch library (pkg.onnxscript.torch_lib) are
     # inlined so the model holds only standard ops and our own functions.
@@ -731,6 +734,8 @@ def finish_model(model: onnx.ModelProto, opset: int, check: bool = True) -> onnx
     if not any(o.domain in ("", "ai.onnx") for o in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid("", opset))
     _remove_unused_initializers(model)
+    if keep_roundings:
+        _keep_reduced_float_roundings(model)
     if check:
         try:
             onnx.checker.check_model(model, full_check=True)

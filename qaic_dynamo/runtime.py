@@ -329,15 +329,18 @@ class PieceRunner(torch.nn.Module):
                         f"{self.label}: the KV cache of layer '{real}' is not contiguous (shape {tuple(t.shape)}, "
                         f"stride {t.stride()}); pass contiguous caches in the forward context (e.g. .contiguous())"
                     )
-            spans = [_span(t) for t in tensors]
-            if any(_overlap(a, b) for i, a in enumerate(spans) for b in spans[i + 1:]):
-                # Both are written in place in one run: which write lands last is up to
-                # ONNX Runtime, and attention would read the other.
+            caches.append((real, tensors))
+        # Every cache is written in place in one run: where two share memory (one tensor as
+        # a layer's key and value cache, or two layers' caches), which write lands last is
+        # up to ONNX Runtime, and attention reads the other.
+        spans = sorted((*_span(t), real) for real, tensors in caches for t in tensors)
+        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+            if start < end:
+                which = f"layer '{a}'" if a == b else f"layers '{a}' and '{b}'"
                 raise CacheLayoutError(
-                    f"{self.label}: the caches of layer '{real}' share memory (e.g. one tensor given as both its key "
-                    "and value cache); give each cache a tensor of its own in the forward context")
-            caches.append(tensors)
-        return caches
+                    f"{self.label}: the caches of {which} share memory (e.g. one tensor given as both a key and a "
+                    "value cache); give each cache a tensor of its own in the forward context")
+        return [tensors for _, tensors in caches]
 
     def bind(
         self, args: Sequence[Any], ctx: Any = None, caches: list[list[torch.Tensor]] | None = None, slot: int | None = None

@@ -1465,3 +1465,22 @@ def test_the_collector_is_paused_while_a_graph_compiles_and_restored_after(monke
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_cast_from_an_input_of_unknown_type_keeps_its_rounding_too():
+    # The pass read the Cast input's type from value_info; without one it inserted nothing
+    # (found by review: 2.4003906 came back 2.3999023 from a hand-built model).
+    import onnx
+
+    from qaic_dynamo.lowering import _keep_reduced_float_roundings
+
+    h = onnx.helper
+    graph = h.make_graph(
+        [h.make_node("Cast", ["x"], ["h"], to=onnx.TensorProto.FLOAT16), h.make_node("Mul", ["h", "h"], ["m"]),
+         h.make_node("Cast", ["m"], ["y"], to=onnx.TensorProto.FLOAT)],
+        "g", [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])],
+        [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])])  # no value_info for "m"
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)])
+    _keep_reduced_float_roundings(model)
+    assert [n.op_type for n in model.graph.node] == ["Cast", "Identity", "Mul", "Identity", "Cast"]
+    onnx.checker.check_model(model, full_check=True)

@@ -352,6 +352,27 @@ def test_one_tensor_as_key_and_value_cache_is_a_clear_error():
         _run_updates(f, _caches(shared=True), True, torch.ones(3, 1, 8), torch.full((3, 1, 8), 10.0))
 
 
+def test_two_layers_sharing_a_cache_in_one_piece_is_a_clear_error():
+    # Two updates in one piece lower now; layers whose caches share memory were written in
+    # ONNX Runtime's order (the first write stayed), silently (found by review).
+    def g(k, v):
+        ops.unified_kv_cache_update(k * 1, v * 2, "from_forward_context")
+        ops.unified_kv_cache_update(k * 3, v * 4, "from_forward_context")
+        return k + 1
+
+    caches = _caches(2)
+    caches["l1"] = (caches["l1"][0], caches["l0"][0])  # layer 1's value cache is layer 0's key cache
+    with pytest.raises(CacheLayoutError, match="the caches of layers 'l0' and 'l1' share memory"):
+        _run_updates(g, caches, True, torch.ones(3, 1, 8), torch.ones(3, 1, 8))
+    halves = torch.zeros(2, 2, 2, 1, 4, 8)  # caches that are parts of one tensor, apart: fine
+    want, got = ({"l0": (h[0, 0], h[0, 1]), "l1": (h[1, 0], h[1, 1])} for h in (halves, halves.clone()))
+    k = torch.randn(3, 1, 8, generator=torch.Generator().manual_seed(1))
+    _run_updates(g, want, False, k, k)
+    with compilation_counter.expect(num_eager_fallbacks=0):
+        _run_updates(g, got, True, k, k, fallback="error")
+    assert all(torch.equal(a, b) for n in want for a, b in zip(want[n], got[n]))
+
+
 # --- bug 5: threads ----------------------------------------------------------------------------------
 
 
