@@ -333,7 +333,7 @@ class PieceRunner(torch.nn.Module):
         # Every cache is written in place in one run: where two share memory (one tensor as
         # a layer's key and value cache, or two layers' caches), which write lands last is
         # up to ONNX Runtime, and attention reads the other.
-        spans = sorted((*_span(t), real) for real, tensors in caches for t in tensors)
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes, real) for real, tensors in caches for t in tensors)  # contiguous
         for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
             if start < end:
                 which = f"layer '{a}'" if a == b else f"layers '{a}' and '{b}'"
