@@ -83,7 +83,8 @@ _TMP_NAME = re.compile(r"[0-9a-f]{12}-w(?P<writer>[0-9a-f]{16})-[0-9a-f]{8}")
 def _try_flock(path: Path) -> int | None:
     """An open descriptor holding an exclusive flock on ``path``, or None if another
     open file holds one (flock, not a pid: it works across PID namespaces - containers
-    sharing a hostname and a cache volume - and over NFS, and a pid can be reused)."""
+    sharing a hostname and a cache volume - and a pid can be reused; over NFS it relies on
+    the client's lock support, untested here)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
