@@ -704,11 +704,11 @@ class DiskCache:
     def write_last_run(self) -> None:
         if not (self.hits or self.misses or self.writes) or not self.usable:
             return
+        tmp = self.base / f".last_run.{os.getpid()}.json"
         try:
             self.base.mkdir(parents=True, exist_ok=True)
             data = {"pid": os.getpid(), "time": time.time(), "hits": self.hits, "misses": self.misses,
                     "writes": self.writes, "evictions": self.evictions, "repairs": self.repairs}
-            tmp = self.base / f".last_run.{os.getpid()}.json"
             tmp.write_text(json.dumps(data, indent=1))
             os.replace(tmp, self.base / "last_run.json")
         except OSError:

@@ -243,6 +243,11 @@ def test_last_run_leaves_no_partial_file_on_a_full_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "replace", no_space)
     disk.write_last_run()
     assert list((tmp_path / "v1").glob(".last_run.*")) == []  # one per process was left
+    blocked = tmp_path / "a-file"  # the cache root cannot even be made: nothing escapes the exit handler
+    blocked.write_text("")
+    unmakeable = DiskCache(blocked / "cache", 1 << 30)
+    unmakeable.hits = 1
+    unmakeable.write_last_run()
 
 
 def test_a_disk_that_fills_while_a_piece_is_written_degrades_and_still_compiles(tmp_path, monkeypatch):
