@@ -80,6 +80,13 @@ STALE_TMP_SECONDS = 3600
 _TMP_NAME = re.compile(r"[0-9a-f]{12}-w(?P<writer>[0-9a-f]{16})-[0-9a-f]{8}")
 
 
+def _at_exit_of_this_process(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """``atexit.register``, but a child forked later and exiting normally does not run it
+    (it would remove its parent's lock file or private copy)."""
+    pid = os.getpid()
+    atexit.register(lambda: os.getpid() == pid and fn(*args, **kwargs))
+
+
 def _try_flock(path: Path) -> int | None:
     """An open descriptor holding an exclusive flock on ``path``, or None if another
     open file holds one (flock, not a pid: it works across PID namespaces - containers
@@ -557,7 +564,7 @@ class DiskCache:
             self._degrade("cannot write", e)
             # Still a complete artifact for this process, until it exits (then, or if it is
             # killed, the next sweep, it goes: it kept a full disk full).
-            atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+            _at_exit_of_this_process(shutil.rmtree, tmp, ignore_errors=True)
             return tmp, False
 
     @contextlib.contextmanager
@@ -609,7 +616,7 @@ class DiskCache:
             if fd is None:
                 raise OSError(f"cannot lock {lock}")
             self._writer, self._writer_fd = token, fd  # held open: released by the kernel at exit
-            atexit.register(lambda: lock.unlink(missing_ok=True))  # after the private copies' removal
+            _at_exit_of_this_process(lock.unlink, missing_ok=True)  # after the private copies' removal
             return self._writer
 
     def _sweep_tmp(self, tmp: Path) -> None:

@@ -139,10 +139,11 @@ def test_full_disk_degrades_with_one_warning(tmp_path, monkeypatch):
         return real_rename(src, dst)
 
     monkeypatch.setattr(os, "rename", no_space)
-    import atexit
+    from qaic_dynamo import cache as cache_stage
 
     at_exit = []
-    monkeypatch.setattr(atexit, "register", lambda fn, *args, **kwargs: at_exit.append(args[0] if args else fn))
+    monkeypatch.setattr(cache_stage, "_at_exit_of_this_process",
+                        lambda fn, *args, **kwargs: at_exit.append(args[0] if args else fn))
     with pytest.warns(RuntimeWarning, match="No space left on device") as record:
         compile_once(tmp_path)
     assert entries(tmp_path) == []
