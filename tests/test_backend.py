@@ -370,6 +370,121 @@ def test_no_splitting_ops_is_one_piece():
     torch.testing.assert_close(out, model(ids), atol=1e-4, rtol=1e-4)
 
 
+# --- outputs that are views ----------------------------------------------------------------
+
+
+def _aliasing(inputs, outputs):
+    """For each output: the first input or earlier output whose storage it shares, or None
+    (a new tensor) - the pattern eager's views make."""
+    seen = [("input", i, t.untyped_storage().data_ptr()) for i, t in enumerate(inputs)]
+    pattern = []
+    for j, out in enumerate(outputs):
+        ptr = out.untyped_storage().data_ptr()
+        pattern.append(next(((kind, i) for kind, i, p in seen if p == ptr), None))
+        seen.append(("output", j, ptr))
+    return pattern
+
+
+VIEW_CASES = {
+    "transpose of an input": lambda x: (x.sin(), x.t()),
+    "contiguous input returned as itself": lambda x: (x.sin(), x.contiguous()),
+    "view with the input's size": lambda x: (x.sin(), x.view(x.shape[0], 2, 3)),
+    "slice then transpose": lambda x: (x.cos(), x[1:, :2].t()),
+    "view of another output": lambda x: (lambda y: (y, y[0:2]))(x.sin()),
+    "two views of one computed tensor": lambda x: (lambda y: (y[0:2], y[1:3]))(x.sin()),
+    "split of an input": lambda x: x.split(2),
+    "only a view": lambda x: x.t(),
+    "reshape that must copy": lambda x: (x.sin(), x.t().reshape(-1)),
+    "values of max (new tensors)": lambda x: torch.max(x, 0),
+    "a view of max's values": lambda x: (lambda m: (m[0], m[1], m[0].t()))(torch.max(x, 0)),
+}
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("case", list(VIEW_CASES))
+def test_outputs_alias_inputs_and_each_other_as_in_eager(case, dynamic):
+    fn = VIEW_CASES[case]
+    compiled = torch.compile(fn, backend="qaic", dynamic=dynamic)
+    for rows in (4, 6):  # a second size: with dynamic=True the same graph serves it
+        x = torch.randn(rows, 6)
+        x_eager = x.clone()
+        ref, out = fn(x_eager), compiled(x)
+        ref, out = (ref, out) if isinstance(ref, tuple) else ((ref,), (out,))
+        assert _aliasing([x], out) == _aliasing([x_eager], ref), case
+        for r, o in zip(ref, out):
+            torch.testing.assert_close(o, r)
+        if out[-1].untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            out[-1].fill_(7.0)  # a write into the view reaches the input, as in eager
+            assert (x == 7.0).sum().item() == out[-1].numel()
+
+
+def test_the_report_names_each_view_output_and_its_base():
+    x = torch.randn(4, 6)
+    torch.compile(lambda x: (lambda y: (y, x.t(), y[0:2]))(x.sin()), backend="qaic")(x)
+    report = last_compile_report()
+    assert report.view_outputs == {1: "input L_x_", 2: "output 0"}
+    assert "outputs rebuilt as views after it: 1 of input L_x_, 2 of output 0" in report.table()
+    assert report.to_json()["view_outputs"] == {1: "input L_x_", 2: "output 0"}
+
+
+def test_view_outputs_leave_the_compiled_graph_and_run_as_an_eager_epilogue():
+    from qaic_dynamo.partition import peel_view_outputs
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    x = torch.randn(4, 6)
+    torch.compile(lambda x: (lambda y: (y, x.t(), y[0:2], y.exp()))(x.sin()), backend=capture, dynamic=True)(x)
+    views = peel_view_outputs(graphs[0])
+    self = TestCase()
+    self.assertExpectedInline(views.inner.code.strip(), """\
+def forward(self, s77 : torch.SymInt, s27 : torch.SymInt, L_x_ : torch.Tensor):
+    l_x_ = L_x_
+    sin = l_x_.sin();  l_x_ = None
+    exp = sin.exp()
+    return (sin, exp)""")
+    self.assertExpectedInline(views.epilogue.code.strip(), """\
+def forward(self, s77 : torch.SymInt, s27 : torch.SymInt, L_x_ : torch.Tensor, inner_out_0, inner_out_1):
+    l_x_ = L_x_
+    t = l_x_.t();  l_x_ = None
+    getitem = inner_out_0[slice(0, 2, None)]
+    return (inner_out_0, t, getitem, inner_out_1)""")
+    assert views.views == {1: "input L_x_", 2: "output 0"}
+    # A graph without view outputs is compiled as it is.
+    graphs.clear()
+    torch.compile(lambda x: (x.sin(), x.cos()), backend=capture)(x)
+    assert peel_view_outputs(graphs[0]) is None
+
+
+def test_a_view_of_an_input_survives_a_split_graph():
+    torch.manual_seed(0)
+    model = PlainTransformer(2).eval()
+
+    class ReturnsIdsView(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, ids):
+            return self.inner(ids), ids[:, :3]
+
+    wrapped = ReturnsIdsView().eval()
+    ids = torch.randint(0, 100, (2, 9))
+    with torch.no_grad():
+        logits, head = torch.compile(wrapped, backend="qaic",
+                                     options={"splitting_ops": ["aten::scaled_dot_product_attention"]})(ids)
+        ref_logits, _ = wrapped(ids)
+    report = last_compile_report()
+    assert report.view_outputs == {1: "input L_ids_"}
+    assert len(report.pieces) == 5 and report.failed == 0  # 2 attention splits between 3 pieces
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    head.fill_(0)
+    assert (ids[:, :3] == 0).all() and (ids[:, 3:] != 0).any()
+
+
 # --- fallback -----------------------------------------------------------------------------
 
 
