@@ -1423,6 +1423,48 @@ def _in_float32(op: Any) -> Callable[..., Any]:
     return upcast
 
 
+def _reduced_float_scaling(op: Any) -> Callable[..., Any]:
+    """``op`` (mul, div) of a float16 / bfloat16 tensor by a Python number or a 0-d tensor
+    of another float type, as eager's CPU kernels compute it: in float32 with the number
+    unrounded (c10's ``original_scalar_value<opmath_t>``), rounded once. The translation
+    rounded the number to the tensor's type first: ``h * 1e5`` gave inf, ``h * 1e-8`` and
+    ``h / 1e-6`` lost digits (float16 1e-6 is 1.013e-6), ``h * 0.044715`` differed from
+    eager in the last place for one value in five."""
+
+    def compute(a: Any, b: Any) -> Any:
+        if not isinstance(a, torch.Tensor) or a.dtype not in _REDUCED or isinstance(b, bool):
+            return NotImplemented
+        if isinstance(b, torch.Tensor):
+            if (b.dim() != 0 or not b.is_floating_point() or b.dtype == a.dtype
+                    or torch.result_type(a, b) != a.dtype):
+                return NotImplemented  # a tensor: both in the reduced type, as the translation computes
+            b = b.float()
+        elif not isinstance(b, (int, float)):
+            return NotImplemented  # a symbolic size: left to the translation
+        return op(a.float(), b).to(a.dtype)
+
+    return compute
+
+
+def _reduced_float_scaled_sum(op: Any) -> Callable[..., Any]:
+    """``op`` (add, sub) of two float16 / bfloat16 tensors with an ``alpha``, as eager's
+    CPU kernel computes it: ``a + alpha * b`` in float32 with alpha rounded to the type,
+    rounded once. The translation rounded ``alpha * b`` to the type before the sum (one
+    value in 20 differed from eager in the last place)."""
+
+    def compute(a: Any, b: Any, *, alpha: Any = 1) -> Any:
+        if (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha == 1
+                or not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor)
+                or a.dtype not in _REDUCED or b.dtype != a.dtype):
+            return NotImplemented
+        rounded = _round_to(float(alpha), a.dtype)
+        if math.isinf(rounded) and not math.isinf(alpha):
+            return NotImplemented  # eager refuses it ("cannot be converted ... without overflow")
+        return op(a.float(), b.float() * rounded).to(a.dtype)
+
+    return compute
+
+
 def _index_add_in_float32(x: Any, dim: int, index: Any, source: Any, *, alpha: Any = 1) -> Any:
     """float16 / bfloat16 ``index_add`` in float32, rounded once: ONNX Runtime's CPU
     ScatterND has no float16 add reduction (every such piece failed at its first run and
@@ -1610,6 +1652,8 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
                    "eagerly") for op in (_aten._embedding_bag.default, _aten._embedding_bag_forward_only.default)},
     _aten._native_batch_norm_legit_no_training.default: _batch_norm_no_training,
     _aten._scaled_dot_product_flash_attention_for_cpu.default: _masked_attention,
+    **{op: _reduced_float_scaling(op) for op in (_aten.mul.Tensor, _aten.mul.Scalar, _aten.div.Tensor, _aten.div.Scalar)},
+    **{op: _reduced_float_scaled_sum(op) for op in (_aten.add.Tensor, _aten.sub.Tensor)},
     **{getattr(_aten, name).Scalar: _reduced_float_comparison(getattr(_aten, name).Scalar)
        for name in ("eq", "ne", "lt", "le", "gt", "ge")},
     **{getattr(_aten, name).Tensor: _reduced_float_comparison(getattr(_aten, name).Tensor)

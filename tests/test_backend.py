@@ -1042,6 +1042,34 @@ def test_ops_onnxscript_translates_otherwise_give_eagers_values(case):
     torch.testing.assert_close(out, expected, rtol=rtol, atol=0)
 
 
+_WIDE16 = (torch.randn(4096, generator=torch.Generator().manual_seed(6)) * torch.logspace(-6, 4, 4096)).half()
+
+# Eager multiplies and divides a float16 tensor by a number in float32, the number
+# unrounded; the translation rounded it to float16 first (1e5 is inf there, 1e-6 is
+# 1.013e-6). Eager adds a number rounded, and an alpha-scaled tensor in one rounding.
+FLOAT16_SCALARS = {
+    "times 1e-8": lambda h: h * 1e-8,
+    "times 1e5": lambda h: h * 1e5,  # was inf everywhere
+    "times 0.044715": lambda h: h * 0.044715,
+    "times an int past float16": lambda h: h * 100001,
+    "over 1e-6": lambda h: h / 1e-6,
+    "number over tensor": lambda h: 0.7 / h,  # reciprocal, then times 0.7
+    "times a 0-d float32 tensor": lambda h: h * torch.tensor(1e-7),
+    "over a 0-d float64 tensor": lambda h: h / torch.tensor(3.3, dtype=torch.float64),
+    "plus a number": lambda h: h + 1e-6,
+    "minus a number": lambda h: 0.1 - h,
+    "add with alpha": lambda h: torch.add(h, h.flip(0), alpha=0.1),
+    "sub with alpha": lambda h: torch.sub(h, h.flip(0), alpha=3),
+}
+
+
+@pytest.mark.parametrize("fn", FLOAT16_SCALARS.values(), ids=FLOAT16_SCALARS.keys())
+def test_float16_arithmetic_with_a_number_gives_eagers_values(fn):
+    out, expected = lowered_and_eager(fn, _WIDE16)
+    assert out.dtype == expected.dtype == torch.float16
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64])  # float64: no ORT Atan, eager
 def test_atan2_gives_eagers_quadrants_zeros_and_nans(dtype):
     # onnxscript's translation: atan2(+0, x < 0) = -pi (eager pi, as C), atan2(0, -0) = 0, NaN -> 0
