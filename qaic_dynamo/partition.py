@@ -141,13 +141,15 @@ def readable_split(split: SplitGraph, describe: Callable[[Piece], str] | None = 
 
 
 # Ops that may return a view of their first argument. Which of them does is read from
-# Dynamo's fake values (``reshape``, ``contiguous`` and ``to`` alias only sometimes); the
-# list only keeps out ops that alias by writing in place (``add_`` returns its input).
+# Dynamo's fake values (``reshape``, ``contiguous`` and ``to`` alias only sometimes), and
+# each rebuilt view is checked against them; the list keeps out ops that alias by writing
+# in place (``add_`` returns its input).
 _VIEW_NAMES = frozenset({
-    "alias", "as_strided", "chunk", "contiguous", "detach", "diagonal", "expand", "expand_as", "flatten",
-    "getitem", "__getitem__", "movedim", "moveaxis", "narrow", "permute", "reshape", "reshape_as", "select",
-    "split", "split_with_sizes", "squeeze", "swapaxes", "swapdims", "t", "tensor_split", "to", "transpose",
-    "type_as", "unbind", "unflatten", "unfold", "unsqueeze", "view", "view_as",
+    "alias", "as_strided", "atleast_1d", "atleast_2d", "atleast_3d", "broadcast_to", "chunk", "contiguous",
+    "detach", "diagonal", "dsplit", "expand", "expand_as", "flatten", "getitem", "__getitem__", "hsplit",
+    "movedim", "moveaxis", "narrow", "permute", "reshape", "reshape_as", "select", "split", "split_with_sizes",
+    "squeeze", "swapaxes", "swapdims", "t", "tensor_split", "to", "transpose", "type_as", "unbind", "unflatten",
+    "unfold", "unsqueeze", "view", "view_as", "view_as_complex", "view_as_real", "vsplit",
     "float", "double", "half", "bfloat16", "int", "long", "bool",  # same dtype: returns self
 })
 
@@ -163,7 +165,9 @@ def _view_name(node: fx.Node) -> str | None:
             return None
         name = node.target._schema.name.split("::")[-1]
     elif isinstance(node.target, torch._ops.OpOverloadPacket):
-        return None
+        if any(getattr(node.target, o)._schema.is_mutable for o in node.target.overloads()):
+            return None
+        name = node.target._qualified_op_name.split("::")[-1]
     else:
         name = getattr(node.target, "__name__", None)
     return name if name in _VIEW_NAMES else None
@@ -241,13 +245,23 @@ def peel_view_outputs(gm: fx.GraphModule) -> ViewOutputs | None:
     ``contiguous``) then decide for themselves, as in eager. The graph given is not
     changed. Views of an intermediate value that no other output shares stay compiled: a
     copy is indistinguishable there. A view whose sizes come from a tensor computed inside
-    the graph (not an input or its base) stays compiled too, as before.
+    the graph (not an input or its base) stays compiled too, as before, and so does one
+    the epilogue would not rebuild as Dynamo traced it (checked on the fake values: a base
+    reshaped in place after the view), and every view in a graph that switches grad mode.
     """
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     outs = output.args[0]
     if not isinstance(outs, (tuple, list)) or not any(_view_chain(o) for o in outs if isinstance(o, fx.Node)):
         return None
-    chains = {i: _view_chain(o) if isinstance(o, fx.Node) else [] for i, o in enumerate(outs)}
+    if any(n.op == "call_function" and n.target is torch._C._set_grad_enabled for n in gm.graph.nodes):
+        return None  # a view made under no_grad() inside the graph would be rebuilt in the caller's mode
+    return _peel(gm, frozenset())
+
+
+def _peel(gm: fx.GraphModule, skip: frozenset[int]) -> ViewOutputs | None:
+    """:func:`peel_view_outputs`, leaving the outputs at ``skip`` compiled."""
+    outs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    chains = {i: _view_chain(o) if isinstance(o, fx.Node) and i not in skip else [] for i, o in enumerate(outs)}
     roots = {i: (chain[-1].args[0] if chain else outs[i]) for i, chain in chains.items()}
     shared: dict[fx.Node, int] = {}
     for i, chain in chains.items():
@@ -293,6 +307,15 @@ def peel_view_outputs(gm: fx.GraphModule) -> ViewOutputs | None:
     epilogue_graph.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in outs))
     epilogue = fx.GraphModule(gm, epilogue_graph)
 
+    # The epilogue rebuilds each view from its base's final state: an in-place change of
+    # shape after the view was taken (``y.t_()``, ``v.squeeze_(1)``) would be lost or
+    # applied twice. Run it on Dynamo's fake values and keep only the views it rebuilds as
+    # Dynamo traced them; the others stay compiled, as copies.
+    rebuilt = _rebuilt_on_fakes(gm, epilogue, bases)
+    wrong = [i for i in peeled if rebuilt is None or not _same_view(rebuilt[i], _value(outs[i]))]
+    if wrong:
+        return _peel(gm, skip | frozenset(wrong)) if len(wrong) < len(peeled) else None
+
     views = {}
     for i in peeled:
         root = roots[i]
@@ -325,3 +348,42 @@ def _epilogue_nodes(chain: list[fx.Node], root: fx.Node) -> list[fx.Node] | None
         return True
 
     return needed if all(visit(n) for n in chain) else None
+
+
+def _rebuilt_on_fakes(gm: fx.GraphModule, epilogue: fx.GraphModule, bases: list[fx.Node]) -> tuple | None:
+    """The epilogue's outputs computed from the graph's fake values, or None if it cannot
+    be run on them."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    placeholders = [_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    args = [*placeholders, *(_value(b) for b in bases)]
+    # The values' own mode: torch 2.13 gives a backend a fresh one in TracingContext.
+    fake_mode = next((a.fake_mode for a in args if isinstance(a, FakeTensor)), None)
+    if fake_mode is None or any(a is None for a in args):
+        return None
+    class OnFakes(fx.Interpreter):
+        def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:  # the module's real tensor, as a fake
+            value = super().get_attr(target, args, kwargs)
+            return fake_mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
+
+    try:
+        with fake_mode:
+            return tuple(OnFakes(epilogue).run(*args))
+    except Exception:  # noqa: BLE001 - any failure: keep the outputs compiled, as before
+        return None
+
+
+def _same_view(rebuilt: Any, traced: Any) -> bool:
+    """Whether a rebuilt view is the tensor Dynamo traced: same storage, sizes, strides,
+    offset and autograd flag (symbolic sizes compare as expressions, with no guard)."""
+    if not isinstance(rebuilt, torch.Tensor) or not isinstance(traced, torch.Tensor):
+        return False
+
+    def same(a: Any, b: Any) -> bool:
+        return all(str(x) == str(y) for x, y in zip(a, b, strict=True)) if len(a) == len(b) else False
+
+    return (StorageWeakRef(rebuilt.untyped_storage()) == StorageWeakRef(traced.untyped_storage())
+            and same(rebuilt.shape, traced.shape) and same(rebuilt.stride(), traced.stride())
+            and str(rebuilt.storage_offset()) == str(traced.storage_offset())
+            and rebuilt.dtype == traced.dtype and rebuilt.requires_grad == traced.requires_grad)
+
