@@ -1153,9 +1153,10 @@ def _or_else(first: Callable[..., Any], then: Callable[..., Any]) -> Callable[..
 # 10, ``x % 0.1`` is 0.1 where the translation gives 0, and an int64 above 2**24 divided
 # with ``rounding_mode="floor"`` loses its low bits. These decompositions, applied in the
 # aten trace (and before the exporter's own, on its fallback path), spell eager's formulas
-# in ops whose translations are exact. Floor division of float16 / bfloat16 runs in float32
-# with the scalar unrounded, as eager's kernel does; their remainder keeps the translation,
-# which matches eager's (it rounds the scalar).
+# in ops whose translations are exact. Floor and truncating division of float16 / bfloat16
+# run in float32 with the scalar unrounded, as eager's kernels do; their remainder in
+# float32 with the scalar rounded, as eager's does (the translation's float16 steps gave
+# other last places).
 
 _FLOATS = (torch.float32, torch.float64)
 _REDUCED = (torch.float16, torch.bfloat16)
@@ -1190,23 +1191,44 @@ def _any_floor_divide(a: Any, b: Any, dtype: torch.dtype) -> Any:
     if dtype in _REDUCED:
         # Eager's kernel: tensors in the reduced type (an int64 2051 becomes 2052 in
         # float16), the scalar unrounded, the arithmetic in float32.
-        def wide(x: Any) -> Any:
-            return x.to(dtype).float() if isinstance(x, torch.Tensor) else torch.scalar_tensor(x, dtype=torch.float32)
-
-        return _float_floor_divide(wide(a), wide(b)).to(dtype)
+        return _float_floor_divide(*_reduced_wide(a, b, dtype)).to(dtype)
     return NotImplemented  # integers: onnxscript's translation is exact
+
+
+def _reduced_wide(a: Any, b: Any, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
+    """The operands of a float16 / bfloat16 binary op as eager's CPU kernels take them, in
+    float32: a tensor rounded to the reduced type first (an int64 2051 becomes 2052 in
+    float16), the second operand unrounded when it is a number or a 0-d tensor of another
+    type (c10 reads it with ``original_scalar_value<opmath_t>``)."""
+
+    def wide(x: Any, second: bool) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return torch.scalar_tensor(x, dtype=torch.float32)
+        if second and x.dim() == 0 and x.dtype not in (dtype, torch.bool) and isinstance(a, torch.Tensor) and a.dim():
+            return x.float()
+        return x.to(dtype).float()
+
+    return wide(a, False), wide(b, True)
 
 
 def _floor_divide(a: Any, b: Any) -> Any:
     return _any_floor_divide(a, b, torch.result_type(a, b))
 
 
+def _float_remainder(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    mod = torch.fmod(a, b)
+    return torch.where((mod != 0) & _signs_differ(b, mod), mod + b, mod)
+
+
 def _remainder(a: Any, b: Any) -> Any:
     dtype = torch.result_type(a, b)
     if dtype in _FLOATS:
-        a, b = _operands(a, b, dtype)
-        mod = torch.fmod(a, b)
-        return torch.where((mod != 0) & _signs_differ(b, mod), mod + b, mod)
+        return _float_remainder(*_operands(a, b, dtype))
+    if dtype in _REDUCED:
+        # Eager's kernel: both operands in the reduced type (the scalar rounded), the
+        # arithmetic in float32 - the translation's float16 steps gave other last places.
+        wa, wb = _operands(a, b, dtype)
+        return _float_remainder(wa.float(), wb.float()).to(dtype)
     if not dtype.is_floating_point and dtype != torch.bool and any(isinstance(x, torch.SymInt) for x in (a, b)):
         # An integer remainder by a size (``x % x.shape[0]``) has no translation; the
         # floor division's does, and is exact.
@@ -1217,8 +1239,12 @@ def _remainder(a: Any, b: Any) -> Any:
 
 def _div_mode(a: Any, b: Any, *, rounding_mode: str | None = None) -> Any:
     if rounding_mode is None:
-        return NotImplemented
+        return _reduced_float_scaling(_aten.div.Tensor)(a, b)  # true division
     dtype = torch.result_type(a, b)
+    if dtype in _REDUCED and rounding_mode == "trunc" and (not isinstance(b, torch.Tensor) or b.dim() == 0):
+        # by a number: eager divides in float32 by it unrounded, then truncates
+        wa, wb = _reduced_wide(a, b, dtype)
+        return torch.trunc(wa / wb).to(dtype)
     if dtype.is_floating_point:
         return _any_floor_divide(a, b, dtype) if rounding_mode == "floor" else NotImplemented  # trunc(a / b), as eager
     if dtype == torch.bool:
@@ -1435,10 +1461,9 @@ def _reduced_float_scaling(op: Any) -> Callable[..., Any]:
         if not isinstance(a, torch.Tensor) or a.dtype not in _REDUCED or isinstance(b, bool):
             return NotImplemented
         if isinstance(b, torch.Tensor):
-            if (b.dim() != 0 or not b.is_floating_point() or b.dtype == a.dtype
-                    or torch.result_type(a, b) != a.dtype):
+            if b.dim() != 0 or b.dtype in (a.dtype, torch.bool) or torch.result_type(a, b) != a.dtype:
                 return NotImplemented  # a tensor: both in the reduced type, as the translation computes
-            b = b.float()
+            b = b.float()  # a 0-d float or integer tensor: its own value, as for a number
         elif not isinstance(b, (int, float)):
             return NotImplemented  # a symbolic size: left to the translation
         return op(a.float(), b).to(a.dtype)
@@ -1447,20 +1472,35 @@ def _reduced_float_scaling(op: Any) -> Callable[..., Any]:
 
 
 def _reduced_float_scaled_sum(op: Any) -> Callable[..., Any]:
-    """``op`` (add, sub) of two float16 / bfloat16 tensors with an ``alpha``, as eager's
-    CPU kernel computes it: ``a + alpha * b`` in float32 with alpha rounded to the type,
-    rounded once. The translation rounded ``alpha * b`` to the type before the sum (one
-    value in 20 differed from eager in the last place)."""
+    """``op`` (add, sub) of two float16 tensors with an ``alpha``, as eager's vectorized
+    CPU kernel computes it: ``a + alpha * b`` in float32 with alpha rounded to float16,
+    rounded once. The translation rounded ``alpha * b`` to float16 before the sum (one
+    value in 20 differed from eager in the last place). Eager's own scalar loop - strided
+    operands, a short broadcast inner dim, the tail of each block - rounds ``alpha * b``
+    first, so there some values still differ (as before). bfloat16 is left to the
+    translation: ONNX Runtime has no bfloat16 Mul, so such a piece runs eagerly, exactly.
+    An alpha past float16's range, which eager refuses, runs eagerly so that it raises."""
 
     def compute(a: Any, b: Any, *, alpha: Any = 1) -> Any:
         if (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha == 1
                 or not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor)
-                or a.dtype not in _REDUCED or b.dtype != a.dtype):
+                or a.dtype != torch.float16 or b.dtype != a.dtype):
             return NotImplemented
         rounded = _round_to(float(alpha), a.dtype)
         if math.isinf(rounded) and not math.isinf(alpha):
-            return NotImplemented  # eager refuses it ("cannot be converted ... without overflow")
+            raise LoweringError(f"{op}: alpha={alpha} is past float16's range, which eager refuses; the piece runs "
+                                "eagerly, where it raises")
         return op(a.float(), b.float() * rounded).to(a.dtype)
+
+    return compute
+
+
+def _in_place(out_of_place: Callable[..., Any]) -> Callable[..., Any]:
+    """The in-place form of a decomposition (``add_`` for ``add``): its result written back."""
+
+    def compute(a: Any, *args: Any, **kwargs: Any) -> Any:
+        result = out_of_place(a, *args, **kwargs)
+        return NotImplemented if result is NotImplemented else a.copy_(result)
 
     return compute
 
@@ -1590,6 +1630,14 @@ def _refuse(op: str, why: str) -> Callable[..., Any]:
     return refuse
 
 
+def _refuse_divisor_override(x: Any, kernel_size: Any, stride: Any = (), padding: Any = 0, ceil_mode: bool = False,
+                             count_include_pad: bool = True, divisor_override: Any = None) -> Any:
+    if divisor_override is None:
+        return NotImplemented
+    raise LoweringError("avg_pool with divisor_override: the translation ignores it (it divided by the window size); "
+                        "such a piece runs eagerly")
+
+
 def _refuse_integer_prod(x: Any, *args: Any, dtype: Any = None, **kwargs: Any) -> Any:
     if _integer_result(x, dtype) is None:
         return NotImplemented
@@ -1651,9 +1699,13 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
     **{op: _refuse("embedding_bag", "ONNX Runtime crashes loading onnxscript's translation of it; such a piece runs "
                    "eagerly") for op in (_aten._embedding_bag.default, _aten._embedding_bag_forward_only.default)},
     _aten._native_batch_norm_legit_no_training.default: _batch_norm_no_training,
+    _aten.avg_pool2d.default: _refuse_divisor_override,
+    _aten.avg_pool3d.default: _refuse_divisor_override,
     _aten._scaled_dot_product_flash_attention_for_cpu.default: _masked_attention,
     **{op: _reduced_float_scaling(op) for op in (_aten.mul.Tensor, _aten.mul.Scalar, _aten.div.Tensor, _aten.div.Scalar)},
     **{op: _reduced_float_scaled_sum(op) for op in (_aten.add.Tensor, _aten.sub.Tensor)},
+    **{inplace: _in_place(_reduced_float_scaled_sum(op))
+       for inplace, op in ((_aten.add_.Tensor, _aten.add.Tensor), (_aten.sub_.Tensor, _aten.sub.Tensor))},
     **{getattr(_aten, name).Scalar: _reduced_float_comparison(getattr(_aten, name).Scalar)
        for name in ("eq", "ne", "lt", "le", "gt", "ge")},
     **{getattr(_aten, name).Tensor: _reduced_float_comparison(getattr(_aten, name).Tensor)

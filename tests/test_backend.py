@@ -1108,6 +1108,14 @@ FLOAT16_SCALARS = {
     "minus a number": lambda h: 0.1 - h,
     "add with alpha": lambda h: torch.add(h, h.flip(0), alpha=0.1),
     "sub with alpha": lambda h: torch.sub(h, h.flip(0), alpha=3),
+    # found by review: the same kinds, spelled otherwise
+    "add_ with alpha in place": lambda h: (h + 0).add_(h.flip(0), alpha=0.1),
+    "div with rounding_mode None": lambda h: torch.div(h, 1e-6, rounding_mode=None),
+    "div with rounding_mode trunc": lambda h: torch.div(h, 1e-6, rounding_mode="trunc"),
+    "floor div by a 0-d float32 tensor": lambda h: torch.div(h, torch.tensor(0.1), rounding_mode="floor"),
+    "times a 0-d int64 tensor": lambda h: h * torch.tensor(100001),
+    "over a 0-d int64 tensor": lambda h: h / torch.tensor(3001),
+    "remainder by a number": lambda h: h % 0.1,  # eager: the number rounded, the arithmetic in float32
 }
 
 
@@ -1116,6 +1124,39 @@ def test_float16_arithmetic_with_a_number_gives_eagers_values(fn):
     out, expected = lowered_and_eager(fn, _WIDE16)
     assert out.dtype == expected.dtype == torch.float16
     torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+
+
+def test_float16_alpha_past_its_range_raises_eagers_error():
+    h = _WIDE16[:8]
+    compiled = torch.compile(lambda h: torch.add(h, h, alpha=70000), backend="qaic")
+    with pytest.raises(RuntimeError, match="cannot be converted to type c10::Half without overflow"), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the piece runs eagerly, with a warning
+        compiled(h)
+
+
+def test_bfloat16_add_with_alpha_runs_eagerly_and_exactly():
+    # eager's own kernel rounds alpha * b first in its scalar loop (strided operands), so
+    # no one formula is eager's; bfloat16 has no ONNX Runtime Mul, so the piece runs eagerly
+    a = torch.randn(4000, 2).bfloat16()
+    fn = lambda a: torch.add(a[:, 0], a[:, 1], alpha=0.1)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = torch.compile(fn, backend="qaic")(a)
+    assert torch.equal(out, fn(a))
+
+
+def test_avg_pool_with_a_divisor_override_runs_eagerly():
+    # onnxscript's translation ignored divisor_override: it divided by the window size (9), not 7
+    x = torch.randn(1, 2, 6, 6, generator=torch.Generator().manual_seed(8))
+    fn = lambda x: F.avg_pool2d(x, 3, divisor_override=7) * 1  # noqa: E731
+    with compilation_counter.expect(num_eager_fallbacks=1), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = torch.compile(fn, backend="qaic")(x)
+    torch.testing.assert_close(out, fn(x), rtol=0, atol=0)
+    torch._dynamo.reset()
+    out, expected = lowered_and_eager(lambda x: F.avg_pool2d(x, 3) * 1, x)  # without it: lowered
+    torch.testing.assert_close(out, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64])  # float64: no ORT Atan, eager
