@@ -1192,7 +1192,41 @@ def _any_floor_divide(a: Any, b: Any, dtype: torch.dtype) -> Any:
         # Eager's kernel: tensors in the reduced type (an int64 2051 becomes 2052 in
         # float16), the scalar unrounded, the arithmetic in float32.
         return _float_floor_divide(*_reduced_wide(a, b, dtype)).to(dtype)
-    return NotImplemented  # integers: onnxscript's translation is exact
+    if dtype == torch.bool or getattr(_reentry, "integer_division", False):
+        return NotImplemented  # (the translation's integer Div and Mod are exact)
+    return _integer_quotient(a, b, dtype, "floor")
+
+
+def _integer_quotient(a: Any, b: Any, dtype: torch.dtype, rounding: str) -> torch.Tensor:
+    """The integer quotient, floored or truncated, as eager gives it - also of the minimum
+    by -1, which wraps to the minimum: ONNX Runtime's integer Div traps there (SIGFPE), which
+    killed the process. Division by -1 is a negation instead; by 0, Div still fails, and the
+    piece is re-run eagerly, which raises eager's ZeroDivisionError."""
+    a, b = _operands(a, b, dtype)
+    minus_one = b == -1
+    safe = torch.where(minus_one, torch.ones_like(b), b)
+    _reentry.integer_division = True
+    try:
+        quotient = torch.floor_divide(a, safe)  # the translation: integer Div, exact
+    finally:
+        _reentry.integer_division = False
+    if rounding == "trunc":
+        # Truncation differs from the floor where the exact remainder is non-zero and the
+        # operands' signs differ.
+        rest = a - quotient * safe
+        quotient = quotient + ((rest != 0) & _signs_differ(a, safe)).to(dtype)
+    return torch.where(minus_one, -a, quotient)
+
+
+def _integer_rest(a: Any, b: Any, rounding: str) -> Any:
+    """``a - q * b`` for the integer quotient ``q`` (floor: ``remainder``; trunc: ``fmod``),
+    exact and wrapping as eager: the translations trap on the minimum by -1 (remainder) or
+    go through double (int64 ``fmod(2**53 + 1, 2)`` gave 0)."""
+    dtype = torch.result_type(a, b)
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        return NotImplemented
+    a, b = _operands(a, b, dtype)
+    return a - _integer_quotient(a, b, dtype, rounding) * b
 
 
 def _reduced_wide(a: Any, b: Any, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
@@ -1229,12 +1263,8 @@ def _remainder(a: Any, b: Any) -> Any:
         # arithmetic in float32 - the translation's float16 steps gave other last places.
         wa, wb = _operands(a, b, dtype)
         return _float_remainder(wa.float(), wb.float()).to(dtype)
-    if not dtype.is_floating_point and dtype != torch.bool and any(isinstance(x, torch.SymInt) for x in (a, b)):
-        # An integer remainder by a size (``x % x.shape[0]``) has no translation; the
-        # floor division's does, and is exact.
-        a, b = _operands(a, b, dtype)
-        return a - torch.floor_divide(a, b) * b
-    return NotImplemented
+    # integers (also by a size, ``x % x.shape[0]``, which has no translation)
+    return _integer_rest(a, b, "floor")
 
 
 def _div_mode(a: Any, b: Any, *, rounding_mode: str | None = None) -> Any:
@@ -1249,14 +1279,7 @@ def _div_mode(a: Any, b: Any, *, rounding_mode: str | None = None) -> Any:
         return _any_floor_divide(a, b, dtype) if rounding_mode == "floor" else NotImplemented  # trunc(a / b), as eager
     if dtype == torch.bool:
         return NotImplemented
-    a, b = _operands(a, b, dtype)
-    floor = torch.floor_divide(a, b)  # integer Div and Mod, exact
-    if rounding_mode == "floor":
-        return floor
-    # Truncation differs from the floor where the exact remainder is non-zero and the
-    # operands' signs differ.
-    rest = a - floor * b
-    return floor + ((rest != 0) & _signs_differ(a, b)).to(dtype)
+    return _integer_quotient(a, b, dtype, rounding_mode)
 
 
 _reentry = threading.local()
@@ -1597,6 +1620,83 @@ def _integer_result(x: Any, dtype: Any) -> Any:
     return out if not out.is_floating_point and not out.is_complex and out != torch.bool else None
 
 
+def _any(x: Any, dim: Any = None, keepdim: bool = False) -> Any:
+    """``any`` as a count of non-zeros above 0: the translation's ReduceMax of nothing is
+    int64's minimum, which casts to True, so ``x[:, n:].any(1)`` at ``n == x.shape[1]`` was
+    True (eager False)."""
+    dims = [dim] if isinstance(dim, int) else list(dim) if dim is not None else list(range(x.dim()))
+    if not dims and x.dim():
+        dims = list(range(x.dim()))
+    count = (x != 0).to(torch.float32)  # counts of ones: a positive float sum is never 0
+    return (count.sum(dims, keepdim=keepdim) if x.dim() else count) > 0
+
+
+def _integer_pow(base: Any, exponent: Any) -> Any:
+    """Integer ``pow`` by a non-negative Python int, by repeated squaring in the integer
+    type, exact and wrapping as eager: the translation's Pow works in double (``3**39`` lost
+    its last digits, an overflow saturated where eager wraps). By an integer tensor, or
+    negative, it runs eagerly."""
+    dtype = torch.result_type(base, exponent)
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        return NotImplemented
+    if isinstance(exponent, torch.Tensor) or not isinstance(base, torch.Tensor):
+        raise LoweringError("an integer pow by a tensor: ONNX Runtime's Pow works in double (3**39 loses its last "
+                            "digits); such a piece runs eagerly")
+    if not isinstance(exponent, int) or exponent < 0:
+        return NotImplemented  # a size, or eager's own error for a negative exponent
+    result, square, n = torch.ones_like(base, dtype=dtype), base.to(dtype), exponent
+    while n:
+        if n & 1:
+            result = result * square
+        n >>= 1
+        if n:
+            square = square * square
+    return result
+
+
+def _integer_isclose(a: Any, b: Any, rtol: float = 1e-05, atol: float = 1e-08, equal_nan: bool = False) -> Any:
+    """``isclose`` of integer tensors with eager's formula (the tolerances in the default
+    float type): the translation cast the tolerances to the integer type, 0, so
+    ``isclose(1000000, 1000001)`` was False (eager True)."""
+    if a.is_floating_point() or a.is_complex() or b.is_floating_point() or b.is_complex():
+        return NotImplemented
+    close = a == b
+    if rtol == 0 and atol == 0:
+        return close
+    if a.dtype == torch.bool:
+        a, b = a.to(torch.get_default_dtype()), b.to(torch.get_default_dtype())
+    allowed = atol + (rtol * b).abs()
+    actual = (a - b).abs()
+    # Bool "and" / "or" as integer arithmetic: they trace to prims.bitwise_* (no translation),
+    # and ONNX Runtime's CPU Where has no bool kernel.
+    within = (actual <= allowed).to(torch.int32)
+    if actual.is_floating_point():
+        within = within * torch.isfinite(actual).to(torch.int32)
+    return close.to(torch.int32) + within > 0
+
+
+def _float32_cumsum(x: Any, dim: int, *, dtype: Any = None) -> Any:
+    """A float32 ``cumsum`` accumulated in double, as eager's CPU kernel does (ONNX
+    Runtime's CumSum in float32 gave ``[2**24, 1, 1, 1]`` a running sum stuck at 2**24)."""
+    out = dtype or (x.dtype if x.is_floating_point() else None)
+    if out != torch.float32:
+        return NotImplemented
+    return torch.cumsum(x.to(torch.float64), dim).to(torch.float32)
+
+
+def _mean_of_maybe_empty(x: Any, dim: Any, keepdim: bool = False, *, dtype: Any = None) -> Any:
+    """A floating ``mean`` over dims that may be empty, as a sum over the count: eager's
+    mean of nothing is NaN, the translation's ReduceMean gave 0. Dims of a known non-zero
+    size keep the translation."""
+    dims = list(range(x.dim())) if dim is None or (not isinstance(dim, int) and not dim) else (
+        [dim] if isinstance(dim, int) else list(dim))
+    sizes = [x.shape[d] for d in dims] if x.dim() else []
+    if all(isinstance(n, int) and n > 0 for n in sizes) or not (dtype or x.dtype).is_floating_point:
+        return NotImplemented
+    count = math.prod(sizes)
+    return torch.sum(x, dims, keepdim=keepdim, dtype=dtype) / count
+
+
 def _exact_integer_sum(x: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Any:
     """An integer ``sum`` through CumSum in int64, which ONNX Runtime computes exactly: its
     CPU ReduceSum accumulates int64 in double (``[2**53 + 1, 2**53, 1]`` summed to
@@ -1690,6 +1790,17 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
     _aten.div.Tensor_mode: _div_mode,
     _aten.div.Scalar_mode: _div_mode,
     _aten.atan2.default: _atan2,
+    _aten.fmod.Tensor: lambda a, b: _integer_rest(a, b, "trunc"),
+    _aten.fmod.Scalar: lambda a, b: _integer_rest(a, b, "trunc"),
+    _aten.any.default: _any,
+    _aten.any.dim: _any,
+    _aten.any.dims: _any,
+    _aten.pow.Tensor_Scalar: _integer_pow,
+    _aten.pow.Tensor_Tensor: _integer_pow,
+    _aten.pow.Scalar: _integer_pow,
+    _aten.isclose.default: _integer_isclose,
+    _aten.cumsum.default: _float32_cumsum,
+    _aten.mean.dim: _mean_of_maybe_empty,
     _aten.sum.default: _exact_integer_sum,
     _aten.sum.dim_IntList: _exact_integer_sum,
     _aten.prod.default: _refuse_integer_prod,

@@ -1159,6 +1159,68 @@ def test_avg_pool_with_a_divisor_override_runs_eagerly():
     torch.testing.assert_close(out, expected)
 
 
+_I64_MIN, _I32_MIN = -2**63, -2**31
+
+# Integer and empty-reduction results ONNX Runtime gave otherwise (a differential review):
+# each compiled without a fallback and returned other values, or killed the process.
+INTEGER_SEMANTICS = {
+    # integer Div / Mod of the minimum by -1 trapped: SIGFPE killed the process
+    "floordiv_min_by_minus_one": (lambda a, b: a // b, torch.tensor([_I64_MIN, 9]), torch.tensor([-1, -2])),
+    "remainder_min_by_minus_one": (lambda a, b: a % b, torch.tensor([_I64_MIN, 9]), torch.tensor([-1, -2])),
+    "floordiv_min_by_minus_one_scalar": (lambda a: a // -1, torch.tensor([_I64_MIN, 9])),
+    "int32_floordiv_min": (lambda a, b: a // b, torch.tensor([_I32_MIN, 9], dtype=torch.int32),
+                           torch.tensor([-1, 2], dtype=torch.int32)),
+    "int32_remainder_min": (lambda a, b: torch.remainder(a, b), torch.tensor([_I32_MIN, -9], dtype=torch.int32),
+                            torch.tensor([-1, 4], dtype=torch.int32)),
+    "trunc_div_by_minus_one": (lambda a: torch.div(a, -1, rounding_mode="trunc"), torch.tensor([7, -9, 2**62])),
+    # ReduceMax of nothing is int64's minimum, which casts to True
+    "any_of_an_empty_tail": (lambda x: x[:, 3:].any(1), torch.ones(2, 3)),
+    "any_of_nothing": (lambda x: x[3:].any(), torch.ones(3, dtype=torch.long)),
+    "any_keepdim": (lambda x: x.any(1, keepdim=True), torch.tensor([[0, 0], [0, 5]])),
+    # Pow in double: 3**39 lost its last digits, overflow saturated where eager wraps
+    "int_pow_39": (lambda a: a ** 39, torch.tensor([3, -3, 2])),
+    "int_pow_wraps": (lambda a: a ** 7, torch.tensor([300007, 3])),
+    "int32_pow_wraps": (lambda a: a ** 5, torch.tensor([77, -3], dtype=torch.int32)),
+    # Mod(fmod=1) in double: fmod(2**53 + 1, 2) was 0
+    "int64_fmod": (lambda a, b: torch.fmod(a, b), torch.tensor([2**53 + 1, 2**62 + 3, -7]),
+                   torch.tensor([2, 2**53 + 1, 4])),
+    "int64_fmod_scalar": (lambda a: torch.fmod(a, 3), torch.tensor([2**53 + 1, -2**53 - 1, 5])),
+    # eager accumulates a float32 cumsum in double; ONNX Runtime's CumSum stuck at 2**24
+    "float32_cumsum": (lambda x: x.cumsum(0), torch.tensor([2.0**24, 1, 1, 1])),
+    "int_cumsum_to_float32": (lambda x: x.cumsum(0, dtype=torch.float32), torch.tensor([2**24, 1, 1, 1])),
+    # ReduceMean of nothing gave 0 (eager NaN)
+    "mean_of_an_empty_dim": (lambda x: x[:, 3:].mean(1), torch.ones(2, 3)),
+}
+
+
+@pytest.mark.parametrize("case", INTEGER_SEMANTICS.values(), ids=INTEGER_SEMANTICS.keys())
+def test_integer_ops_and_empty_reductions_give_eagers_values(case):
+    fn, *args = case
+    out, expected = lowered_and_eager(fn, *args)
+    assert out.dtype == expected.dtype and out.shape == expected.shape
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("rtol, atol", [(1e-05, 1e-08), (0.1, 0.5)])
+def test_integer_isclose_uses_its_tolerances(rtol, atol):
+    # the translation cast the tolerances to the integer type (0): only equality was left.
+    # isclose is a composite whose in-place bool "or" the direct path cannot translate, so
+    # it goes to the exporter (counted), which applies the same decomposition.
+    a, b = torch.tensor([1000000, 2**53 + 1, 100, 100]), torch.tensor([1000001, 2**53, 105, 120])
+    fn = lambda a, b: torch.isclose(a, b, rtol=rtol, atol=atol)  # noqa: E731
+    with compilation_counter.expect(num_eager_fallbacks=0, num_exporter_fallbacks=1):
+        out = torch.compile(fn, backend="qaic", options={"fallback": "error"})(a, b)
+    assert torch.equal(out, fn(a, b)) and out[:2].all()
+
+
+def test_integer_pow_by_a_tensor_runs_eagerly():
+    a, b = torch.tensor([3, 5]), torch.tensor([39, 27])  # Pow in double gave ...256, eager ...267
+    with compilation_counter.expect(num_eager_fallbacks=1), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = torch.compile(lambda a, b: a ** b, backend="qaic")(a, b)
+    assert torch.equal(out, a ** b)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64])  # float64: no ORT Atan, eager
 def test_atan2_gives_eagers_quadrants_zeros_and_nans(dtype):
     # onnxscript's translation: atan2(+0, x < 0) = -pi (eager pi, as C), atan2(0, -0) = 0, NaN -> 0
