@@ -1663,8 +1663,8 @@ def _integer_isclose(a: Any, b: Any, rtol: float = 1e-05, atol: float = 1e-08, e
     close = a == b
     if rtol == 0 and atol == 0:
         return close
-    if a.dtype == torch.bool:
-        a, b = a.to(torch.get_default_dtype()), b.to(torch.get_default_dtype())
+    # in the default float type, as eager: an int64 difference would wrap at the extremes
+    a, b = a.to(torch.get_default_dtype()), b.to(torch.get_default_dtype())
     allowed = atol + (rtol * b).abs()
     actual = (a - b).abs()
     # Bool "and" / "or" as integer arithmetic: they trace to prims.bitwise_* (no translation),
@@ -1681,7 +1681,7 @@ def _float32_cumsum(x: Any, dim: int, *, dtype: Any = None) -> Any:
     out = dtype or (x.dtype if x.is_floating_point() else None)
     if out != torch.float32:
         return NotImplemented
-    return torch.cumsum(x.to(torch.float64), dim).to(torch.float32)
+    return torch.cumsum(x.to(torch.float32).to(torch.float64), dim).to(torch.float32)  # (rounded first, as eager)
 
 
 def _mean_of_maybe_empty(x: Any, dim: Any, keepdim: bool = False, *, dtype: Any = None) -> Any:
@@ -1694,6 +1694,9 @@ def _mean_of_maybe_empty(x: Any, dim: Any, keepdim: bool = False, *, dtype: Any 
     if all(isinstance(n, int) and n > 0 for n in sizes) or not (dtype or x.dtype).is_floating_point:
         return NotImplemented
     count = math.prod(sizes)
+    out = dtype or x.dtype
+    if out in _REDUCED:  # eager sums in float32, divides, then rounds once
+        return (torch.sum(x, dims, keepdim=keepdim, dtype=torch.float32) / count).to(out)
     return torch.sum(x, dims, keepdim=keepdim, dtype=dtype) / count
 
 

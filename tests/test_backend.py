@@ -1190,6 +1190,9 @@ INTEGER_SEMANTICS = {
     "int_cumsum_to_float32": (lambda x: x.cumsum(0, dtype=torch.float32), torch.tensor([2**24, 1, 1, 1])),
     # ReduceMean of nothing gave 0 (eager NaN)
     "mean_of_an_empty_dim": (lambda x: x[:, 3:].mean(1), torch.ones(2, 3)),
+    # found by the review of those: eager rounds a float64 input to float32 first
+    "float64_cumsum_to_float32": (lambda x: x.cumsum(0, dtype=torch.float32),
+                                  torch.tensor([2.0**24 + 1, 1, 1, 1], dtype=torch.float64)),
 }
 
 
@@ -1206,11 +1209,22 @@ def test_integer_isclose_uses_its_tolerances(rtol, atol):
     # the translation cast the tolerances to the integer type (0): only equality was left.
     # isclose is a composite whose in-place bool "or" the direct path cannot translate, so
     # it goes to the exporter (counted), which applies the same decomposition.
-    a, b = torch.tensor([1000000, 2**53 + 1, 100, 100]), torch.tensor([1000001, 2**53, 105, 120])
+    a = torch.tensor([1000000, 2**53 + 1, 100, 100, 2**63 - 1])  # the last: the int64 difference wrapped
+    b = torch.tensor([1000001, 2**53, 105, 120, -2**63])
     fn = lambda a, b: torch.isclose(a, b, rtol=rtol, atol=atol)  # noqa: E731
     with compilation_counter.expect(num_eager_fallbacks=0, num_exporter_fallbacks=1):
         out = torch.compile(fn, backend="qaic", options={"fallback": "error"})(a, b)
     assert torch.equal(out, fn(a, b)) and out[:2].all()
+
+
+def test_float16_mean_over_a_dynamic_dim_is_rounded_once():
+    # sum / count for a dim that may be empty: a float16 sum rounded before the division
+    # differed from eager in the last place (found by review); eager sums in float32
+    fn = lambda x: x.mean(1)  # noqa: E731
+    compiled = torch.compile(fn, backend="qaic", dynamic=True, options={"fallback": "error"})
+    for n in (4, 7, 33):
+        x = torch.randn(64, n, generator=torch.Generator().manual_seed(n)).half()
+        assert torch.equal(compiled(x), fn(x))
 
 
 def test_integer_pow_by_a_tensor_runs_eagerly():
