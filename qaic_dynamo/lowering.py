@@ -1620,13 +1620,18 @@ def _integer_result(x: Any, dtype: Any) -> Any:
     return out if not out.is_floating_point and not out.is_complex and out != torch.bool else None
 
 
+def _reduced_dims(x: Any, dim: Any) -> list[int]:
+    """A reduction's dims as a list: one, several, or (None or empty) all of them."""
+    if isinstance(dim, int):
+        return [dim]
+    return list(dim) if dim else list(range(x.dim()))
+
+
 def _any(x: Any, dim: Any = None, keepdim: bool = False) -> Any:
     """``any`` as a count of non-zeros above 0: the translation's ReduceMax of nothing is
     int64's minimum, which casts to True, so ``x[:, n:].any(1)`` at ``n == x.shape[1]`` was
     True (eager False)."""
-    dims = [dim] if isinstance(dim, int) else list(dim) if dim is not None else list(range(x.dim()))
-    if not dims and x.dim():
-        dims = list(range(x.dim()))
+    dims = _reduced_dims(x, dim)
     count = (x != 0).to(torch.float32)  # counts of ones: a positive float sum is never 0
     return (count.sum(dims, keepdim=keepdim) if x.dim() else count) > 0
 
@@ -1688,8 +1693,7 @@ def _mean_of_maybe_empty(x: Any, dim: Any, keepdim: bool = False, *, dtype: Any 
     """A floating ``mean`` over dims that may be empty, as a sum over the count: eager's
     mean of nothing is NaN, the translation's ReduceMean gave 0. Dims of a known non-zero
     size keep the translation."""
-    dims = list(range(x.dim())) if dim is None or (not isinstance(dim, int) and not dim) else (
-        [dim] if isinstance(dim, int) else list(dim))
+    dims = _reduced_dims(x, dim)
     sizes = [x.shape[d] for d in dims] if x.dim() else []
     if all(isinstance(n, int) and n > 0 for n in sizes) or not (dtype or x.dtype).is_floating_point:
         return NotImplemented
