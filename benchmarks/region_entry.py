@@ -117,7 +117,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--quick", action="store_true", help="small model, few steps (a smoke run)")
     ap.add_argument("--results-dir", type=Path, default=None)
-    ap.add_argument("--tag", default="")
+    ap.add_argument("--tag", default="", help="suffix for the result files (region_entry_<tag>.*)")
     ap.add_argument("--dict-tags", action="store_true",
                     help="compile the regional engine with Dynamo's use_recursive_dict_tags_for_guards")
     args = ap.parse_args()
@@ -130,7 +130,7 @@ def main() -> None:
     layers, hidden, vocab, rounds, steps = args.layers, args.hidden_size, args.vocab, args.rounds, args.steps
     if args.quick:
         layers, hidden, vocab, rounds, steps = 2, 64, 512, 2, 5
-        args.tag = args.tag or "_quick"
+        args.tag = args.tag or "quick"
     model = build(layers, hidden, vocab)
     engines = {name: LLM(model, max_num_seqs=args.batch, max_model_len=CONTEXT + 8, block_size=16, backend="qaic",
                          regional=regional) for name, regional in (("regional", True), ("whole", False))}
@@ -209,7 +209,7 @@ def main() -> None:
         print(line)
     md += "\n" + "\n\n".join(lines) + "\n"
     print(md)
-    save_results(f"region_entry{args.tag}", payload, md, args.results_dir)
+    save_results("region_entry" + (f"_{args.tag}" if args.tag else ""), payload, md, args.results_dir)
 
 
 if __name__ == "__main__":
