@@ -156,7 +156,7 @@ def test_bad_constructor_arguments():
         LLM(torch.nn.Linear(2, 2))
     base = hf_model_from_config(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                             num_attention_heads=4, num_key_value_heads=2)).model
-    with pytest.raises(TypeError, match="LlamaModel has no language-model head"):  # failed at the first step
+    with pytest.raises(TypeError, match=r"LlamaModel has no language-model head.*torch.compile\(model, backend='qaic'\)"):  # failed at the first step
         LLM(base, backend="eager")
 
 

@@ -1,6 +1,7 @@
 """``torch.compile(model, backend="qaic")`` on transformers models the LLM engine does not
 serve: encoders (BERT, RoBERTa, DistilBERT, CLIP's text tower), a vision transformer, GPT-2
-called without a cache, and encoder-decoders (T5, Whisper). They hold no qaic op, so the
+called without a cache, decoders whose attention bypasses transformers' interface (GPT-J,
+Falcon: LLM refuses them and says to do this), and encoder-decoders (T5, Whisper). They hold no qaic op, so the
 backend sees one graph with no splitting op and lowers it as one piece; the outputs must
 match eager and nothing may run eagerly or through the exporter fallback - also after
 Dynamo recompiles for a second input size."""
@@ -40,6 +41,14 @@ def build(family: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor], dict[s
     if family == "gpt2":
         model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4))
         return model, dict(input_ids=ids[:, :12], use_cache=False), dict(input_ids=ids, use_cache=False)
+    if family == "gptj":  # decoders LLM refuses (attention outside transformers' interface)
+        model = T.GPTJForCausalLM(T.GPTJConfig(vocab_size=256, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+                                               bos_token_id=1, eos_token_id=2))
+        return model, dict(input_ids=ids[:, :12], use_cache=False), dict(input_ids=ids, use_cache=False)
+    if family == "falcon":
+        model = T.FalconForCausalLM(T.FalconConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                                                   num_attention_heads=4))
+        return model, dict(input_ids=ids[:, :12], use_cache=False), dict(input_ids=ids, use_cache=False)
     if family == "t5":
         model = T.T5ForConditionalGeneration(T.T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2,
                                                         num_heads=4))
@@ -63,7 +72,7 @@ def main_output(out) -> torch.Tensor:
 
 
 FAST = ["bert", "vit", "gpt2"]
-SLOW = ["roberta", "distilbert", "clip_text", "t5", "whisper"]  # 2-9 s each on 2 cores
+SLOW = ["roberta", "distilbert", "clip_text", "gptj", "falcon", "t5", "whisper"]  # 2-9 s each on 2 cores
 CASES = ([pytest.param(f, torch.float32, id=f"{f}-float32") for f in FAST]
          + [pytest.param(f, torch.float16, id=f"{f}-float16") for f in FAST]
          + [pytest.param(f, torch.float32, id=f"{f}-float32", marks=pytest.mark.slow) for f in SLOW])

@@ -237,7 +237,8 @@ def load_model(model: Any, layer_agnostic_kv_update: bool = True, dtype: torch.d
         if isinstance(model, PreTrainedModel) and model.get_output_embeddings() is None:
             raise TypeError(
                 f"LLM: {type(model).__name__} has no language-model head (a base model gives hidden states, not "
-                "logits); pass the causal LM, e.g. AutoModelForCausalLM"
+                "logits); pass the causal LM, e.g. AutoModelForCausalLM. To compile this model itself, use "
+                "torch.compile(model, backend='qaic')"
             )
         model = copy_module_tree(model, dtype)
     else:

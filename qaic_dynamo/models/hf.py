@@ -175,7 +175,9 @@ class HFCausalLM(nn.Module):
             # interface (GPT-J, Falcon, Falcon-H1), so it would compute without the qaic ops.
             raise NotImplementedError(
                 f"{type(hf_model).__name__}'s attention does not go through transformers' attention interface "
-                "(_supports_attention_backend is False); this architecture is not supported by attn_implementation='qaic'"
+                "(_supports_attention_backend is False); this architecture is not supported by attn_implementation='qaic' "
+                "(LLM's paged KV cache). torch.compile(model, backend='qaic') still compiles it as it is, with its "
+                "own attention and cache"
             )
         recurrent = sorted({type(m).__name__ for m in hf_model.modules()
                             if _RECURRENT.search(type(m).__name__)}) if getattr(type(hf_model), "_is_stateful", False) else []
