@@ -454,12 +454,14 @@ def dynamic_float_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> d
     Under ``dynamic=True`` (or once a float changed between two compiles of one code
     object, e.g. two models of one class with different ``eps``) Dynamo passes the float as
     a 0-d tensor and reads it back with ``item()``. ONNX has no symbolic floats, so a piece
-    that uses the number as a number (an attention ``scale``, ``x.add(eps)``) could not be
-    lowered and ran eagerly. Only inputs read solely through ``item()`` with a real example
-    value count, and only where the number is used as it is: a float derived from it (``s *
-    2``) or a size computed from it keeps its symbol in Dynamo's values of later nodes, which
-    the split and the lowering read, so such a graph is left as it was (its pieces run
-    eagerly, with a warning)."""
+    that uses the number (an attention ``scale``, ``x.add(eps)``) could not be lowered and
+    ran eagerly. Only inputs read solely through ``item()`` with a real example value count,
+    and only where the number is used as it is or through Python arithmetic on numbers alone
+    (``s * 2``, ``math.sqrt(2 / math.pi)`` in GPT-2's and Phi's GELU: :func:`scalar_arithmetic`,
+    computed once the values are in). A size computed from one, or arithmetic that mixes it
+    with a dynamic size, keeps its symbol in Dynamo's values of later nodes, which the split
+    and the lowering read, so such a graph is left as it was (its pieces run eagerly, with a
+    warning)."""
     from torch.fx.experimental.symbolic_shapes import free_symbols
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -472,20 +474,59 @@ def dynamic_float_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> d
     if not found:
         return {}
     reads = {u for i in found for u in placeholders[i].users}
-    elsewhere = {s for n in gm.graph.nodes if n.op != "placeholder" and n not in reads
+    computed = scalar_arithmetic(gm, reads)
+    elsewhere = {s for n in gm.graph.nodes if n.op != "placeholder" and n not in reads and n not in computed
                  for s in free_symbols(n.meta.get("example_value"))}
     return {i: value for i, (value, symbols) in found.items() if not symbols & elsewhere}
 
 
+#: torch's functions on Python numbers that Dynamo records for math on a symbolic float or
+#: int (``math.sqrt`` -> ``torch._sym_sqrt``); with ``operator``'s and ``math``'s, what
+#: :func:`scalar_arithmetic` may compute itself.
+_SYM_FUNCTIONS = frozenset(f for name, f in vars(torch).items()
+                           if callable(f) and (name.startswith("_sym_") or name in (
+                               "sym_float", "sym_int", "sym_max", "sym_min", "sym_not", "sym_ite", "sym_sum")))
+
+
+def _is_number_function(target: Any) -> bool:
+    return target in _SYM_FUNCTIONS or getattr(target, "__module__", None) in ("_operator", "math")
+
+
+def scalar_arithmetic(gm: fx.GraphModule, reads: set[fx.Node]) -> set[fx.Node]:
+    """The nodes computing a Python number from ``reads`` (the float inputs' ``item()``)
+    and constants alone, through ``operator``, ``math`` or torch's ``sym_*`` functions:
+    once the floats are constants, :func:`specialize_floats` computes them in Python, in
+    double precision as eager does, so no symbolic float is left for the split."""
+    number = (torch.SymFloat, torch.SymInt, torch.SymBool, float, int, bool)
+    computed: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if (n.op == "call_function" and _is_number_function(n.target)
+                and isinstance(n.meta.get("example_value"), number) and n.all_input_nodes
+                and all(d in reads or d in computed for d in n.all_input_nodes)):
+            computed.add(n)
+    return computed
+
+
 def specialize_floats(gm: fx.GraphModule, values: dict[int, float]) -> None:
-    """Put each value in place of its input's ``item()`` reads (the input stays, unused)."""
+    """Put each value in place of its input's ``item()`` reads (the input stays, unused),
+    then compute the Python arithmetic on them (:func:`scalar_arithmetic`)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    reads = {u for position in values for u in placeholders[position].users}
+    computed = scalar_arithmetic(gm, reads)
+    constants: dict[fx.Node, Any] = {}
     for position, value in values.items():
-        for item in list(placeholders[position].users):
-            for user in list(item.users):
-                user.args = fx.node.map_arg(user.args, lambda n, item=item, value=value: value if n is item else n)
-                user.kwargs = fx.node.map_arg(user.kwargs, lambda n, item=item, value=value: value if n is item else n)
-            gm.graph.erase_node(item)
+        for item in placeholders[position].users:
+            constants[item] = value
+    for n in gm.graph.nodes:  # in order: a computed node's inputs are constants by now
+        if n in computed:
+            args = fx.node.map_arg(n.args, lambda a: constants[a])
+            kwargs = fx.node.map_arg(n.kwargs, lambda a: constants[a])
+            constants[n] = n.target(*args, **kwargs)
+    for node in reversed(list(constants)):
+        for user in list(node.users):
+            user.args = fx.node.map_arg(user.args, lambda a, node=node: constants[node] if a is node else a)
+            user.kwargs = fx.node.map_arg(user.kwargs, lambda a, node=node: constants[node] if a is node else a)
+        gm.graph.erase_node(node)
     gm.recompile()
 
 
@@ -524,7 +565,12 @@ class PerFloatValue:
         self.variants[tuple(_float_key(v) for v in floats.values())] = self._compile(gm, example_inputs, floats)
 
     def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], floats: dict[int, float]) -> Callable[..., Any]:
-        specialize_floats(gm, floats)
+        try:
+            specialize_floats(gm, floats)
+        except (ArithmeticError, ValueError):
+            # The graph's own arithmetic fails at these values (``math.sqrt(-s)``, ``1 / s``
+            # at 0): nothing was changed, and run as it is the graph raises eager's error.
+            return gm.forward
         return self.backend._compile_graph(gm, example_inputs, self.grad_mode,
                                            {self._names[i]: v for i, v in floats.items()})
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import math
 import subprocess
 import sys
 import textwrap
@@ -691,19 +692,65 @@ def test_dynamic_floats_are_compiled_per_value_never_reused_across_values():
     assert "dynamic float input(s)" in reports[-1].table()
 
 
-def test_a_float_derived_from_a_dynamic_float_across_a_split_keeps_the_eager_fallback():
+def test_a_float_derived_from_a_dynamic_float_across_a_split_is_computed_per_value():
     # ``t = s * 2`` keeps the float's symbol in Dynamo's values of later nodes; specialising
-    # the read alone crashed the split (KeyError on the symbol, found by review). Such a
-    # graph is left as it was: correct, its pieces eager.
+    # the read alone crashed the split (KeyError on the symbol, found by review), so such a
+    # graph ran its pieces eagerly. Now the arithmetic is computed once the value is in.
     def f(x, s):
         t = s * 2.0
         return F.scaled_dot_product_attention(x, x, x, scale=t) * t + x
 
-    fn = torch.compile(f, backend="qaic", dynamic=True, options={"splitting_ops": ["aten::scaled_dot_product_attention"]})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    fn = torch.compile(f, backend="qaic", dynamic=True,
+                       options={"splitting_ops": ["aten::scaled_dot_product_attention"], "fallback": "error"})
+    with compilation_counter.expect(num_eager_fallbacks=0, num_exporter_fallbacks=0,
+                                    num_backend_compilations=1 + 1):  # the piece after attention, per value
+                                                                      # (nothing is computed before it)
         for s in (0.25, 0.5, 0.25):
             x = torch.randn(1, 2, 5, 8)
+            torch.testing.assert_close(fn(x, s), f(x, s), rtol=0, atol=1e-6)
+    assert list(last_compile_report().specialized_floats.values()) == [0.5]
+
+
+def gelu_tanh(x):
+    # GPT-2's and Phi's GELU: under dynamic=True Dynamo passes math.pi in as a float and
+    # records the sqrt and the division on it (their GELU pieces ran eagerly)
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def test_python_math_on_a_dynamic_float_is_computed_in_double_as_eager():
+    fn = torch.compile(gelu_tanh, backend="qaic", dynamic=True, options={"fallback": "error"})
+    x = torch.randn(64, dtype=torch.float64)
+    with compilation_counter.expect(num_eager_fallbacks=0, num_exporter_fallbacks=0, num_backend_compilations=1):
+        # float64: the constant rounded to float32 would be off by ~1e-8 relative; ONNX
+        # Runtime's double tanh and pow differ from eager's by an ulp
+        torch.testing.assert_close(fn(x), gelu_tanh(x), rtol=1e-13, atol=1e-15)
+    assert list(last_compile_report().specialized_floats.values()) == [math.pi]
+
+
+def test_arithmetic_that_fails_at_a_new_value_raises_eagers_error():
+    def f(x, s):
+        return x * math.sqrt(s)
+
+    fn = torch.compile(f, backend="qaic", dynamic=True)
+    x = torch.randn(4)
+    torch.testing.assert_close(fn(x, 4.0), f(x, 4.0))
+    with pytest.raises(ValueError, match="math domain error"):
+        f(x, -1.0)
+    with pytest.raises(ValueError, match="math domain error"):
+        fn(x, -1.0)
+    torch.testing.assert_close(fn(x, 9.0), f(x, 9.0))  # later values compile as before
+
+
+def test_a_float_mixed_with_a_dynamic_size_keeps_the_eager_fallback():
+    # s * n, n a dynamic size: no value of s alone fixes it, so the graph stays as it was
+    def f(x, s):
+        return x * (s * x.shape[0])
+
+    fn = torch.compile(f, backend="qaic", dynamic=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for n, s in ((5, 0.25), (7, 0.5)):
+            x = torch.randn(n)
             torch.testing.assert_close(fn(x, s), f(x, s), rtol=0, atol=0)
     assert not last_compile_report().specialized_floats
 

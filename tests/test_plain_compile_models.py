@@ -100,3 +100,15 @@ def test_plain_compile_of_models_without_qaic_ops_matches_eager(family, dtype):
                 got = main_output(compiled(**inputs))
             assert got.dtype == want.dtype and got.shape == want.shape
             torch.testing.assert_close(got, want, atol=atol, rtol=0)
+
+
+def test_gpt2_with_dynamic_true_lowers_its_gelu():
+    # GPT-2's GELU computes math.sqrt(2 / math.pi) in Python; under dynamic=True Dynamo
+    # records that on a float input, and its pieces ran eagerly until the arithmetic was
+    # computed per value (backend.scalar_arithmetic)
+    model, first, second = build("gpt2")
+    model.eval()
+    compiled = torch.compile(model, backend="qaic", dynamic=True, options={"fallback": "error"})
+    with torch.no_grad(), compilation_counter.expect(num_eager_fallbacks=0, num_exporter_fallbacks=0):
+        for inputs in (first, second):
+            torch.testing.assert_close(main_output(compiled(**inputs)), main_output(model(**inputs)), atol=1e-4, rtol=0)
