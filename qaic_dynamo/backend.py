@@ -471,13 +471,18 @@ def dynamic_float_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> d
                 and example.is_floating_point() and node.users
                 and all(u.op == "call_method" and u.target == "item" for u in node.users)):
             found[i] = (example.item(), {s for u in node.users for s in free_symbols(u.meta.get("example_value"))})
-    if not found:
-        return {}
-    reads = {u for i in found for u in placeholders[i].users}
-    computed = scalar_arithmetic(gm, reads)
-    elsewhere = {s for n in gm.graph.nodes if n.op != "placeholder" and n not in reads and n not in computed
-                 for s in free_symbols(n.meta.get("example_value"))}
-    return {i: value for i, (value, symbols) in found.items() if not symbols & elsewhere}
+    # Until nothing changes: arithmetic counts as computed only if every float it reads is
+    # kept (``a * b`` with ``b`` mixed with a size keeps ``a``'s symbol too).
+    while found:
+        reads = {u for i in found for u in placeholders[i].users}
+        computed = scalar_arithmetic(gm, reads)
+        elsewhere = {s for n in gm.graph.nodes if n.op != "placeholder" and n not in reads and n not in computed
+                     for s in free_symbols(n.meta.get("example_value"))}
+        kept = {i: v for i, v in found.items() if not v[1] & elsewhere}
+        if len(kept) == len(found):
+            break
+        found = kept
+    return {i: value for i, (value, _) in found.items()}
 
 
 #: torch's functions on Python numbers that Dynamo records for math on a symbolic float or

@@ -1296,15 +1296,20 @@ def _masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     only those rows are set. sdpa has made a bool mask a float one with -inf by now. The
     logsumexp output is left as the translation gives it (sdpa drops it). Also: grouped
     keys and values are repeated per query head, and bfloat16 runs in float32 (the
-    translation fails the checker or has no ONNX Runtime CPU kernel for either)."""
+    translation fails the checker or has no ONNX Runtime CPU kernel for either). A negative
+    ``scale`` goes on the query, as ``-scale`` on ``-query``: the translation scales query
+    and key by ``Sqrt(scale)`` each, NaN for a negative scale (every output was NaN)."""
     if getattr(_reentry, "attention", False):
         return NotImplemented
     if dropout_p:
         return _attention_with_dropout(query, key, value, dropout_p, is_causal, attn_mask, scale)
     grouped = query.dim() == 4 and key.shape[1] != query.shape[1]
     wide = query.dtype == torch.bfloat16  # ONNX Runtime's CPU kernels lack bfloat16 Sqrt / MatMul
-    if attn_mask is None and not grouped and not wide:
+    negative = isinstance(scale, (int, float)) and scale < 0
+    if attn_mask is None and not grouped and not wide and not negative:
         return NotImplemented
+    if negative:
+        query, scale = -query, -scale
     if grouped:  # the translation's MatMul wants one kv head per query head
         if query.shape[1] % key.shape[1]:
             return NotImplemented
@@ -2077,6 +2082,38 @@ def _expand_sym_numel(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+class NegativeZero(float):
+    """``-0.0`` that is not equal to ``0.0`` as a dict key. The translation makes one ONNX
+    constant per distinct Python number (a dict keyed by value), and ``-0.0 == 0.0``: a
+    graph using both got one of them twice (``1 / (x * 0.0 + s)`` at ``s = -0.0`` gave
+    -inf, eager inf). Everywhere else it is the float -0.0."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, float) and other == 0.0 and math.copysign(1.0, other) < 0
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(("qaic_dynamo.NegativeZero",))
+
+
+def _keep_negative_zeros_apart(gm: fx.GraphModule) -> None:
+    """Every ``-0.0`` argument of the graph (also inside lists) becomes :class:`NegativeZero`."""
+    def swap(a: Any) -> Any:
+        if type(a) is float and a == 0.0 and math.copysign(1.0, a) < 0:
+            return NegativeZero(-0.0)
+        if isinstance(a, (list, tuple)) and not isinstance(a, fx.Node):
+            return type(a)(swap(x) for x in a)
+        return a
+
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            for node in module.graph.nodes:
+                node.args = tuple(swap(a) for a in node.args)
+                node.kwargs = {k: swap(v) for k, v in node.kwargs.items()}
+
+
 def translate_aten(gm: fx.GraphModule, input_names: Sequence[str], output_names: Sequence[str], opset: int) -> onnx.ModelProto:
     """Translate an aten graph (from :func:`aten_graph`) node by node through the
     exporter's registry, naming its inputs and outputs. Raises if a node has no
@@ -2086,6 +2123,7 @@ def translate_aten(gm: fx.GraphModule, input_names: Sequence[str], output_names:
     internals = torch_onnx_internals()
     model = ir.Model(ir.Graph([], [], nodes=[], name="main_graph"), ir_version=MAX_IR_VERSION, producer_name="qaic_dynamo")
     registry = onnx_registry(opset)
+    _keep_negative_zeros_apart(gm)
     try:
         infer_op_signatures(registry, [m.graph for m in gm.modules() if isinstance(m, fx.GraphModule)])
         with _memoized_op_signatures():

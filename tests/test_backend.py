@@ -741,6 +741,23 @@ def test_arithmetic_that_fails_at_a_new_value_raises_eagers_error():
     torch.testing.assert_close(fn(x, 9.0), f(x, 9.0))  # later values compile as before
 
 
+def test_a_float_whose_partner_is_mixed_with_a_size_is_not_half_specialised():
+    # a * b with b also in b * n: b stays symbolic, so a * b is not computed, and a must
+    # stay symbolic too (specialising a alone left a * b's symbol without its node: the
+    # split raised KeyError, found by review)
+    def f(x, a, b):
+        t = a * b
+        return F.scaled_dot_product_attention(x, x, x, scale=t) * t + x * (b * x.shape[2])
+
+    fn = torch.compile(f, backend="qaic", dynamic=True, options={"splitting_ops": ["aten::scaled_dot_product_attention"]})
+    x = torch.randn(1, 2, 5, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for a, b in ((0.25, 2.0), (0.5, 1.0)):
+            torch.testing.assert_close(fn(x, a, b), f(x, a, b), rtol=0, atol=0)
+    assert not last_compile_report().specialized_floats
+
+
 def test_a_float_mixed_with_a_dynamic_size_keeps_the_eager_fallback():
     # s * n, n a dynamic size: no value of s alone fixes it, so the graph stays as it was
     def f(x, s):
@@ -1839,3 +1856,37 @@ def test_a_cast_from_an_input_of_unknown_type_keeps_its_rounding_too():
     _keep_reduced_float_roundings(model)
     assert [n.op_type for n in model.graph.node] == ["Cast", "Identity", "Mul", "Identity", "Cast"]
     onnx.checker.check_model(model, full_check=True)
+
+
+def test_negative_zero_constants_are_not_merged_with_zero():
+    # One ONNX constant per distinct Python number, keyed by value: -0.0 == 0.0, so a graph
+    # using both got one of them twice (1 / (x * 0.0) gave -inf; found by review)
+    def literal(x):
+        return 1.0 / (x * -0.0), 1.0 / (x * 0.0)
+
+    def derived(x, s):
+        return 1.0 / torch.full_like(x, s * 2), 1.0 / (x * 0.0 + s * 2)
+
+    x = torch.ones(3)
+    assert [t.tolist() for t in torch.compile(literal, backend="qaic")(x)] == [[-math.inf] * 3, [math.inf] * 3]
+    fn = torch.compile(derived, backend="qaic", dynamic=True, options={"fallback": "error"})
+    fn(x, 0.5)
+    assert [t.tolist() for t in fn(x, -0.0)] == [[-math.inf] * 3, [math.inf] * 3]
+
+
+SDPA_NEGATIVE_SCALE = {
+    "plain": lambda x: F.scaled_dot_product_attention(x, x, x, scale=-0.5),
+    "masked": lambda x: F.scaled_dot_product_attention(x, x, x, attn_mask=torch.ones(5, 5).tril().bool(), scale=-0.5),
+    "grouped": lambda x: F.scaled_dot_product_attention(x, x[:, :1], x[:, :1], scale=-0.5, enable_gqa=True),
+}
+
+
+@pytest.mark.parametrize("case", SDPA_NEGATIVE_SCALE)
+def test_attention_with_a_negative_scale_gives_eagers_values(case):
+    # The translation scales query and key by Sqrt(scale) each: NaN everywhere for a
+    # negative scale (found by review). With is_causal eager's CPU kernel itself gives NaN.
+    fn = SDPA_NEGATIVE_SCALE[case]
+    x = torch.randn(2, 3, 5, 8)
+    with compilation_counter.expect(num_eager_fallbacks=0, num_exporter_fallbacks=0):
+        got = torch.compile(fn, backend="qaic", options={"fallback": "error"})(x)
+    torch.testing.assert_close(got, fn(x), rtol=0, atol=1e-5)
