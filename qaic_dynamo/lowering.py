@@ -2089,7 +2089,7 @@ class NegativeZero(float):
     -inf, eager inf). Everywhere else it is the float -0.0."""
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, float) and other == 0.0 and math.copysign(1.0, other) < 0
+        return isinstance(other, float) and float(other) == 0.0 and math.copysign(1.0, other) < 0
 
     def __ne__(self, other: object) -> bool:
         return not self == other
