@@ -2103,15 +2103,20 @@ def _keep_negative_zeros_apart(gm: fx.GraphModule) -> None:
     def swap(a: Any) -> Any:
         if type(a) is float and a == 0.0 and math.copysign(1.0, a) < 0:
             return NegativeZero(-0.0)
-        if isinstance(a, (list, tuple)) and not isinstance(a, fx.Node):
-            return type(a)(swap(x) for x in a)
+        if isinstance(a, (list, tuple)):
+            items = [swap(x) for x in a]
+            return type(a)(items) if any(x is not y for x, y in zip(items, a)) else a
         return a
 
     for module in gm.modules():
         if isinstance(module, fx.GraphModule):
             for node in module.graph.nodes:
-                node.args = tuple(swap(a) for a in node.args)
-                node.kwargs = {k: swap(v) for k, v in node.kwargs.items()}
+                # Assigned only where a value changes: the setters re-link every use.
+                args, kwargs = swap(node.args), {k: swap(v) for k, v in node.kwargs.items()}
+                if args is not node.args:
+                    node.args = args
+                if any(kwargs[k] is not v for k, v in node.kwargs.items()):
+                    node.kwargs = kwargs
 
 
 def translate_aten(gm: fx.GraphModule, input_names: Sequence[str], output_names: Sequence[str], opset: int) -> onnx.ModelProto:
