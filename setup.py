@@ -52,8 +52,8 @@ setup(
     # here with a range would let pip pick a different, CUDA, build.
     install_requires=[],
     entry_points={
-        "console_scripts": ["qaic-dynamo = qaic_dynamo.__main__:main"],
+        "console_scripts": ["qaic-dynamo = qaic_dynamo.cli:main"],
         # torch.compile(backend="qaic") finds the backend here without an import.
-        "torch_dynamo_backends": ["qaic = qaic_dynamo.backend:qaic_backend"],
+        "torch_dynamo_backends": ["qaic = qaic_dynamo.compiler.backend:qaic_backend"],
     },
 )

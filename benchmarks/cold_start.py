@@ -113,7 +113,7 @@ def child(method: str, layers: int, hidden: int, vocab: int) -> dict:
         compiled = qaic_dynamo.compile(llm.model)
     else:
         if method in ("qaic", "per-layer"):
-            from qaic_dynamo.backend import qaic_backend
+            from qaic_dynamo.compiler import qaic_backend
             inner = qaic_backend
         elif method == "inductor":
             from torch._inductor.compile_fx import compile_fx
@@ -151,7 +151,7 @@ def child(method: str, layers: int, hidden: int, vocab: int) -> dict:
     call(compiled)
     run = time.perf_counter() - t0
     if method in ("regional", "warm"):  # the backend calls of every region
-        from qaic_dynamo.backend import compile_reports
+        from qaic_dynamo.compiler import compile_reports
 
         backend_s[0] = sum(r.seconds["total"] for r in compile_reports())
     result.update(
@@ -165,7 +165,7 @@ def child(method: str, layers: int, hidden: int, vocab: int) -> dict:
         disk_hits=compilation_counter.num_disk_cache_hits - before.num_disk_cache_hits,
     )
     if method in qaic_methods:
-        from qaic_dynamo.backend import compile_reports
+        from qaic_dynamo.compiler import compile_reports
         from qaic_dynamo.cache import Source
 
         pieces = [p for r in compile_reports() for p in r.pieces]

@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--results-dir", type=Path, default=None)
     args = ap.parse_args()
     from qaic_dynamo import LLM, set_forward_context
-    from qaic_dynamo.backend import compile_reports
+    from qaic_dynamo.compiler import compile_reports
 
     layers, hidden, vocab, repeats = args.layers, args.hidden_size, args.vocab, args.repeats
     if args.quick:

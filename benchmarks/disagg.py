@@ -78,7 +78,7 @@ def colocated(model, prompts, max_tokens, slots: int, ctx: int, backend: str) ->
 
 
 def disaggregated(model, prompts, max_tokens, slots: int, ctx: int, backend: str, transport: str) -> dict:
-    from qaic_dynamo.serving import DisaggregatedServer, summarize
+    from qaic_dynamo.deploy.serving import DisaggregatedServer, summarize
 
     with DisaggregatedServer(model, decode_slots=slots, ctx_len=ctx, chunk_size=64, transport=transport,
                              backend=backend) as server:

@@ -6,7 +6,7 @@ transformers model (hidden 512, random weights) with L layers and exports it in 
 retained-state form (same ``RetainedStateModel``, same dynamic axes, weights as external
 data). Methods:
 
-  layerwise  qaic_dynamo.export.export_for_qaic(layerwise=True): three blocks traced,
+  layerwise  qaic_dynamo.deploy.export.export_for_qaic(layerwise=True): three blocks traced,
              first and middle block translated once, stitched L times
   whole      export_for_qaic(layerwise=False): the whole model through the same direct
              lowering (trace and translation linear in depth)
@@ -53,7 +53,7 @@ def child(method: str, layers: int, hidden: int, vocab: int, out: Path) -> dict:
 
     model = build(layers, hidden, vocab)
     if method in ("layerwise", "whole"):
-        from qaic_dynamo.export import export_for_qaic
+        from qaic_dynamo.deploy.export import export_for_qaic
 
         t0 = time.perf_counter()
         r = export_for_qaic(model, out, batch_size=1, prefill_seq_len=32, ctx_len=128,
@@ -66,9 +66,9 @@ def child(method: str, layers: int, hidden: int, vocab: int, out: Path) -> dict:
 
     import onnx
 
-    from qaic_dynamo.export import RetainedStateModel
+    from qaic_dynamo.deploy.export import RetainedStateModel
     from qaic_dynamo.models import load_model
-    from qaic_dynamo.onnx_functions import TRANSLATIONS
+    from qaic_dynamo.ops.onnx_functions import TRANSLATIONS
     from qaic_dynamo.ops import QAIC_OPS
 
     t0 = time.perf_counter()

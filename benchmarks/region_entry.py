@@ -70,7 +70,7 @@ class Timers:
 def hot_lookup_costs(llm, batch, repeats: int = 2000) -> dict[str, float]:
     """Median us of one middle block's lookup and guard check, repeated back to back."""
     from qaic_dynamo import build_attention_metadata, set_forward_context
-    from qaic_dynamo.regions import CompiledRegion
+    from qaic_dynamo.compiler.regions import CompiledRegion
 
     blocks = [m for m in llm.model.modules() if isinstance(m, CompiledRegion) and m.dispatch is not None
               and m.dispatch.method]
@@ -124,7 +124,7 @@ def main() -> None:
     import torch._dynamo.guards as dynamo_guards
 
     from qaic_dynamo import LLM
-    from qaic_dynamo.regions import GuardedDispatch
+    from qaic_dynamo.compiler.regions import GuardedDispatch
     from qaic_dynamo.runtime import PieceRunner
 
     layers, hidden, vocab, rounds, steps = args.layers, args.hidden_size, args.vocab, args.rounds, args.steps

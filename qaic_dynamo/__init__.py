@@ -10,6 +10,7 @@ import torch  # noqa: F401  (libtorch must be loaded before the extension)
 from qaic_dynamo import _C  # noqa: F401
 from qaic_dynamo import ops
 from qaic_dynamo.counter import CompilationCounter, compilation_counter
+from qaic_dynamo.errors import QaicError
 from qaic_dynamo.forward_context import (
     FROM_FORWARD_CONTEXT,
     AttentionMetadata,
@@ -27,12 +28,14 @@ _LAZY = {
     "LLM": "qaic_dynamo.engine",
     "Request": "qaic_dynamo.engine",
     "RequestOutput": "qaic_dynamo.engine",
+    "SamplingParams": "qaic_dynamo.engine",
     "CompilationConfig": "qaic_dynamo.config",
-    "compile": "qaic_dynamo.regions",
-    "SamplingParams": "qaic_dynamo.sampling",
-    "compile_reports": "qaic_dynamo.backend",
-    "last_compile_report": "qaic_dynamo.backend",
-    "qaic_backend": "qaic_dynamo.backend",
+    "compile": "qaic_dynamo.compiler",
+    "compile_reports": "qaic_dynamo.compiler",
+    "last_compile_report": "qaic_dynamo.compiler",
+    "qaic_backend": "qaic_dynamo.compiler",
+    "export_for_qaic": "qaic_dynamo.deploy.export",
+    "DisaggregatedServer": "qaic_dynamo.deploy.serving",
 }
 
 
@@ -45,7 +48,9 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "DisaggregatedServer",
     "LLM",
+    "QaicError",
     "Request",
     "RequestOutput",
     "SamplingParams",
@@ -55,6 +60,7 @@ __all__ = [
     "compilation_counter",
     "compile",
     "compile_reports",
+    "export_for_qaic",
     "last_compile_report",
     "qaic_backend",
     "AttentionMetadata",

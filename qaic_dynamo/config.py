@@ -23,9 +23,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from qaic_dynamo.errors import ConfigError
 from qaic_dynamo.ops import splitting_ops
 
-__all__ = ["CompilationConfig", "ConfigError", "DEFAULT_SPLITTING_OPS"]
+__all__ = ["DEFAULT_SPLITTING_OPS", "OPSETS", "CompilationConfig", "ConfigError", "default_cache_dir", "qaic_compiler_path"]
 
 #: The op registry's splitting ops (attention).
 DEFAULT_SPLITTING_OPS: tuple[str, ...] = splitting_ops()
@@ -38,10 +39,6 @@ REGION_DISPATCHES = ("guarded", "dynamo")
 #: with a registry of a newer opset instead picks newer ops (Gelu-20) under an opset-18
 #: import: a model the checker refuses.
 OPSETS = (18,)
-
-
-class ConfigError(ValueError):
-    """A bad ``options`` key or value; the message lists what is valid."""
 
 
 def _doc(text: str) -> dict[str, str]:

@@ -142,9 +142,10 @@ def _cold(llm: Any, prompts: list[list[int]]) -> float:
 
 
 def _fresh_compile_state() -> None:
+    from qaic_dynamo._compat import dynamo_reset
     from qaic_dynamo.cache import artifact_cache
 
-    torch._dynamo.reset()
+    dynamo_reset()
     artifact_cache.clear_memory()
 
 

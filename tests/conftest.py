@@ -41,12 +41,12 @@ def _reset_dynamo():
 def exporter_path(monkeypatch):
     """Every piece goes to the lowering's exporter fallback, as one with an op the direct
     path cannot trace does (until 2026-11-26 a tensor constant did, and tests used one)."""
-    from qaic_dynamo import lowering
+    from qaic_dynamo.lowering import piece
 
     def untraceable(*args, **kwargs):
         raise RuntimeError("the test sends this piece to the exporter")
 
-    monkeypatch.setattr(lowering, "aten_graph", untraceable)
+    monkeypatch.setattr(piece, "aten_graph", untraceable)
 
 
 def ref_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):

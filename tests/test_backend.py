@@ -23,12 +23,12 @@ from expecttest import TestCase
 
 import qaic_dynamo
 from qaic_dynamo.artifact import LAYOUT_FILE
-from qaic_dynamo.backend import last_compile_report
+from qaic_dynamo.compiler import last_compile_report
 from qaic_dynamo.cache import Source, artifact_cache
 from qaic_dynamo.config import CompilationConfig, ConfigError
 from qaic_dynamo.counter import compilation_counter
 from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM
-from qaic_dynamo.partition import PieceKind, SplitReason, readable_split, split_graph
+from qaic_dynamo.compiler.partition import PieceKind, SplitReason, readable_split, split_graph
 
 from harness import Driver
 
@@ -477,7 +477,7 @@ def test_the_report_names_each_view_output_and_its_base():
 
 
 def test_view_outputs_leave_the_compiled_graph_and_run_as_an_eager_epilogue():
-    from qaic_dynamo.partition import peel_view_outputs
+    from qaic_dynamo.compiler.views import peel_view_outputs
 
     graphs = []
 
@@ -813,10 +813,10 @@ def test_a_call_time_compile_holds_dynamos_compile_lock(monkeypatch):
     # on a third thread raised again (found by review). Ours now holds Dynamo's lock.
     from torch._dynamo.convert_frame import compile_lock
 
-    from qaic_dynamo import backend
+    from qaic_dynamo.compiler import dynamic_floats
 
     held = []
-    compile_variant = backend.PerFloatValue._compile
+    compile_variant = dynamic_floats.PerFloatValue._compile
 
     def probing(self, *args, **kwargs):
         def try_lock():
@@ -836,15 +836,15 @@ def test_a_call_time_compile_holds_dynamos_compile_lock(monkeypatch):
     fn = torch.compile(rms, backend="qaic", dynamic=True)
     x = torch.randn(3, 8)
     fn(x, 0.5)  # compiled inside Dynamo's compile
-    monkeypatch.setattr(backend.PerFloatValue, "_compile", probing)
+    monkeypatch.setattr(dynamic_floats.PerFloatValue, "_compile", probing)
     torch.testing.assert_close(fn(x, 0.25), rms(x, 0.25))  # compiled inside this call
     assert held == [True]
 
 
 def test_past_the_variant_limit_new_float_values_run_eagerly(monkeypatch):
-    from qaic_dynamo import backend
+    from qaic_dynamo.compiler import dynamic_floats
 
-    monkeypatch.setattr(backend, "MAX_FLOAT_VARIANTS", 2)
+    monkeypatch.setattr(dynamic_floats, "MAX_FLOAT_VARIANTS", 2)
     torch.manual_seed(0)
     x = torch.randn(1, 2, 5, 8)
 
@@ -1345,7 +1345,7 @@ def test_integer_sums_of_empty_and_overflowing_tensors_are_eagers(fn, x):
      (torch.tensor([0, 4, 2, 2, 0, 1]), torch.randn(5, 3, generator=torch.Generator().manual_seed(9))), "embedding_bag"),
 ])
 def test_ops_onnx_runtime_gets_wrong_or_crashes_on_run_eagerly(fn, args, why):
-    from qaic_dynamo.backend import compile_reports
+    from qaic_dynamo.compiler import compile_reports
 
     with compilation_counter.expect(num_backend_compilations=0, num_eager_fallbacks=1):
         out = torch.compile(fn, backend="qaic")(*args)
@@ -1689,7 +1689,7 @@ def test_config_hash_covers_artifact_fields_only(monkeypatch):
 
 
 def test_runtime_qaic_without_the_sdk_is_a_clear_error():
-    from qaic_dynamo.backend import QaicBackend
+    from qaic_dynamo.compiler import QaicBackend
     from qaic_dynamo.runtime import qaic_sdk_available
 
     if qaic_sdk_available():
@@ -1701,7 +1701,7 @@ def test_runtime_qaic_without_the_sdk_is_a_clear_error():
 def test_qaic_compile_command_follows_qefficient():
     from qaic_dynamo.runtime import qaic_compile_command
 
-    cmd = qaic_compile_command(Path("/a"), Path("/a/qpc"), num_cores=14, custom_io=Path("/a/custom_io.yaml"),
+    cmd = qaic_compile_command(Path("/a/model.onnx"), Path("/a/qpc"), num_cores=14, custom_io=Path("/a/custom_io.yaml"),
                                specializations=Path("/a/specializations.json"),
                                extra={"mxfp6_matmul": True, "mos": 1, "aic_enable_depth_first": False})
     assert cmd == [
@@ -1809,7 +1809,7 @@ def test_mla_updates_lower_to_latent_retained_state():
 def test_the_collector_is_paused_while_a_graph_compiles_and_restored_after(monkeypatch):
     import gc
 
-    import qaic_dynamo.backend as backend
+    import qaic_dynamo.compiler.backend as backend
 
     seen = []
     split = backend.split_graph
@@ -1844,7 +1844,7 @@ def test_a_cast_from_an_input_of_unknown_type_keeps_its_rounding_too():
     # (found by review: 2.4003906 came back 2.3999023 from a hand-built model).
     import onnx
 
-    from qaic_dynamo.lowering import _keep_reduced_float_roundings
+    from qaic_dynamo.lowering.finish import keep_reduced_float_roundings as _keep_reduced_float_roundings
 
     h = onnx.helper
     graph = h.make_graph(

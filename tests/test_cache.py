@@ -81,7 +81,7 @@ def test_config_change_misses(tmp_path, monkeypatch):
 
 
 def test_library_version_change_misses(tmp_path, monkeypatch):
-    from qaic_dynamo import fingerprint
+    from qaic_dynamo.compiler import fingerprint
 
     compile_once(tmp_path)
     bumped = dict(fingerprint.library_versions(), onnxruntime="99.0")
@@ -139,7 +139,7 @@ def test_full_disk_degrades_with_one_warning(tmp_path, monkeypatch):
         return real_rename(src, dst)
 
     monkeypatch.setattr(os, "rename", no_space)
-    from qaic_dynamo import cache as cache_stage
+    from qaic_dynamo.cache import disk as cache_stage
 
     at_exit = []
     monkeypatch.setattr(cache_stage, "_at_exit_of_this_process",
@@ -198,7 +198,7 @@ def test_the_tmp_sweep_keeps_a_live_writers_entry_and_removes_a_dead_ones(tmp_pa
 def test_a_writer_whose_lock_file_was_cleared_takes_a_new_one(tmp_path):
     """``qaic-dynamo cache clear`` removed a live process's lock file: its lock then
     protected nothing, and the next writer's sweep removed that process's entries."""
-    from qaic_dynamo.cache import _try_flock
+    from qaic_dynamo.cache.disk import _try_flock
 
     disk = DiskCache(tmp_path, 1 << 30)
     first = disk.new_tmp_dir("a" * 64).name.split("-w")[1][:16]
@@ -274,7 +274,7 @@ def test_an_entry_removed_while_it_compiles_is_compiled_again_not_failed(tmp_pat
     """``qaic-dynamo cache clear`` (or another process's eviction) between lowering and
     loading: the piece ran eagerly for the rest of the process (or raised under
     fallback="error") with "cannot read layout.json"."""
-    import qaic_dynamo.backend as backend
+    import qaic_dynamo.compiler.backend as backend
 
     lower = backend.lower_piece
     commit = DiskCache.commit

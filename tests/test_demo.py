@@ -104,7 +104,7 @@ def test_demo_layers_resize_every_per_layer_list_and_bad_lengths_are_reported(tm
 def test_every_command_says_when_a_model_directory_has_no_config(tmp_path, capsys):
     # transformers blamed a missing model_type key, after a warning that random weights
     # would be used (found by review).
-    from qaic_dynamo.__main__ import main
+    from qaic_dynamo.cli import main
 
     (tmp_path / "prompts.txt").write_text("1 2 3\n")
     empty = tmp_path / "empty"
@@ -117,7 +117,7 @@ def test_every_command_says_when_a_model_directory_has_no_config(tmp_path, capsy
 
 
 def test_cli_takes_a_directory_named_like_a_built_in_model_as_that_directory(tmp_path):
-    from qaic_dynamo.__main__ import _model_arg
+    from qaic_dynamo.cli.common import model_arg as _model_arg
     from qaic_dynamo.demo import argparse
 
     (tmp_path / "llama").mkdir()
@@ -135,7 +135,7 @@ def test_cli_takes_a_directory_named_like_a_built_in_model_as_that_directory(tmp
 @pytest.mark.parametrize("command", [["demo"], ["export", "--out", "x"], ["serve-disagg", "--prompts", "p.txt"]])
 @pytest.mark.parametrize("flag", ["--layers", "--hidden-size"])
 def test_cli_refuses_a_zero_or_negative_size(command, flag, capsys):
-    from qaic_dynamo.__main__ import main
+    from qaic_dynamo.cli import main
 
     for value in ("0", "-3", "x"):
         with pytest.raises(SystemExit) as e:  # 0 was read as "not given": a 16-layer export
@@ -145,7 +145,7 @@ def test_cli_refuses_a_zero_or_negative_size(command, flag, capsys):
 
 
 def test_cli_refuses_a_hidden_size_the_heads_do_not_divide_and_resizing_a_model_directory(tmp_path, capsys):
-    from qaic_dynamo.__main__ import _model_arg
+    from qaic_dynamo.cli.common import model_arg as _model_arg
     from qaic_dynamo.demo import argparse
 
     for model in ("llama", "mla"):  # was a torch size error deep in the trace

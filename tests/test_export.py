@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 
 from qaic_dynamo import LLM
-from qaic_dynamo import export as qexport
-from qaic_dynamo.export import (
+from qaic_dynamo.deploy.export import assemble as qexport_names
+from qaic_dynamo.deploy.export import (
     ExportError,
     ExportOptions,
     align_inputs_to_outputs,
@@ -368,7 +368,7 @@ def test_padding_never_writes_a_real_slot(exported):
 def test_ctx_ops_and_their_onnx_functions_agree():
     from onnx import helper
 
-    from qaic_dynamo.onnx_functions import CtxGather, CtxScatter
+    from qaic_dynamo.ops.onnx_functions import CtxGather, CtxScatter
 
     g = torch.Generator().manual_seed(0)
     data = torch.randn(2, 3, 7, 4, generator=g)
@@ -462,8 +462,8 @@ def test_bug2_output_names_come_from_the_one_naming_function(layerwise, tmp_path
     # QEfficient #1082 bug 2: the layerwise export rebuilt output names from its own
     # templates. Here every path's names flow through apply_kv_cache_prefix: a change
     # there reaches both exports' outputs and, through alignment, their inputs.
-    real = qexport.apply_kv_cache_prefix
-    monkeypatch.setattr(qexport, "apply_kv_cache_prefix",
+    real = qexport_names.apply_kv_cache_prefix
+    monkeypatch.setattr(qexport_names, "apply_kv_cache_prefix",
                         lambda names, prefix: [n.replace(SUFFIX, "_marked" + SUFFIX) for n in real(names, prefix)])
     result = export_for_qaic(llama(4), tmp_path, kv_cache_prefix="P", layerwise=layerwise, **SHAPE)
     inputs, outputs = graph_io(result.onnx_path)
@@ -624,7 +624,7 @@ def test_ort_generate_refuses_bad_input(exported, prompts, new, message):
 
 
 def test_cli_exports_validates_and_summarises(tmp_path, capsys):
-    from qaic_dynamo.__main__ import main
+    from qaic_dynamo.cli import main
 
     rc = main(["export", "--model", "llama", "--layers", "4", "--hidden-size", "64", "--out", str(tmp_path),
                "--kv-cache-prefix", "vllm", "--ctx-len", "48", "--prefill-seq-len", "16"])
@@ -640,7 +640,7 @@ def test_cli_exports_validates_and_summarises(tmp_path, capsys):
 def test_cli_reports_an_unloadable_model_and_skips_a_validation_that_cannot_fit(tmp_path, capsys):
     """A model directory transformers cannot read gave a traceback (only ExportError was
     caught), and --ctx-len 1 exported and then crashed in the validation."""
-    from qaic_dynamo.__main__ import main
+    from qaic_dynamo.cli import main
 
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -658,7 +658,7 @@ def test_cli_reports_an_unloadable_model_and_skips_a_validation_that_cannot_fit(
 
 
 def test_cli_skips_validating_a_bfloat16_export(tmp_path, capsys):
-    from qaic_dynamo.__main__ import main
+    from qaic_dynamo.cli import main
 
     hf("llama", 2).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     assert main(["export", "--model", str(tmp_path / "bf16"), "--out", str(tmp_path / "out"), "--ctx-len", "32",

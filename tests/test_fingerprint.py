@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from qaic_dynamo import AttentionMetadata, ops, set_forward_context
-from qaic_dynamo.fingerprint import fingerprint, library_versions
+from qaic_dynamo.compiler.fingerprint import fingerprint, library_versions
 
 
 def key_of(fn, *args, config_hash="cfg", dynamic=False):

@@ -259,13 +259,14 @@ def test_every_piece_lowers_to_the_same_onnx_with_torch_onnxs_full_decomposition
     """lowering.decompositions leaves out the CompositeImplicitAutograd entries of
     torch.onnx's table (make_fx runs those kernels itself): the ONNX of every piece must
     be byte-identical to what the full table gives."""
-    from qaic_dynamo import lowering
+    from qaic_dynamo._compat import torch_onnx_internals
+    from qaic_dynamo.lowering import aten_trace, registry
 
     ours = onnx_of_every_piece(tmp_path / "ours")
-    onnx_decomp = lowering.torch_onnx_internals().decomp
+    onnx_decomp = torch_onnx_internals().decomp
     full = onnx_decomp.create_onnx_friendly_decomposition_table(
-        set(onnx_decomp.get_onnx_implemented_overloads(lowering.onnx_registry(18))))
-    monkeypatch.setattr(lowering, "decompositions", lambda opset: full)
+        set(onnx_decomp.get_onnx_implemented_overloads(registry.onnx_registry(18))))
+    monkeypatch.setattr(aten_trace, "decompositions", lambda opset: full)
     theirs = onnx_of_every_piece(tmp_path / "full")
     assert len(ours) >= 15 and ours.keys() == theirs.keys()  # 19 here: identical regions are lowered once
     assert [str(k) for k in ours if ours[k] != theirs[k]] == []
@@ -276,10 +277,10 @@ def test_every_piece_lowers_to_the_same_onnx_with_the_fake_tensor_cache_on(tmp_p
     """lowering.fake_inputs turns the fake-tensor dispatch cache off (it costs more than it
     saves in a single trace): a pure speed setting, so the ONNX of every piece must be
     byte-identical to what a trace with the cache gives."""
-    from qaic_dynamo import lowering
+    from qaic_dynamo.lowering import aten_trace
 
     ours = onnx_of_every_piece(tmp_path / "uncached")
-    uncached = lowering.fake_inputs
+    uncached = aten_trace.fake_inputs
 
     def cached(*args, **kwargs):
         fakes = uncached(*args, **kwargs)
@@ -287,7 +288,7 @@ def test_every_piece_lowers_to_the_same_onnx_with_the_fake_tensor_cache_on(tmp_p
         fakes[0].fake_mode.cache_enabled = True
         return fakes
 
-    monkeypatch.setattr(lowering, "fake_inputs", cached)
+    monkeypatch.setattr(aten_trace, "fake_inputs", cached)
     theirs = onnx_of_every_piece(tmp_path / "cached")
     assert len(ours) >= 15 and ours.keys() == theirs.keys()
     # Where a decomposition's dead intermediates are numbered differently (Gemma2's gelu

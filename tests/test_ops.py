@@ -91,7 +91,7 @@ def _onnx_kv_cache_scatter(cache, slot_mapping, updates):
     import onnx
     import onnxruntime as ort
 
-    from qaic_dynamo.onnx_functions import function_protos
+    from qaic_dynamo.ops.onnx_functions import function_protos
     from qaic_dynamo.ops import QAIC_DOMAIN
 
     elem = {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16}[cache.dtype]

@@ -24,16 +24,19 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import qaic_dynamo
-from qaic_dynamo import build_attention_metadata, compilation_counter, fingerprint as fingerprint_stage, ops, set_forward_context
-from qaic_dynamo.artifact import LAYOUT_FILE, LAYOUT_FORMAT, ArtifactError, PieceLayout
-from qaic_dynamo.backend import QaicBackend, last_compile_report
+from qaic_dynamo import build_attention_metadata, compilation_counter, ops, set_forward_context
+from qaic_dynamo.compiler import fingerprint as fingerprint_stage
+from qaic_dynamo.artifact import LAYOUT_FILE, LAYOUT_FORMAT, PieceLayout
+from qaic_dynamo.errors import ArtifactError
+from qaic_dynamo.compiler import QaicBackend, last_compile_report
 from qaic_dynamo.cache import DiskCache, Source, artifact_cache
 from qaic_dynamo.config import DEFAULT_SPLITTING_OPS, CompilationConfig
 from qaic_dynamo.counter import CompilationCounter
 from qaic_dynamo.lowering import LoweringError
 from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM
 from qaic_dynamo.ops import QAIC_OPS, OpRole, kv_cache_update_op, splitting_ops
-from qaic_dynamo.runtime import CacheLayoutError, PieceRunner
+from qaic_dynamo.errors import CacheLayoutError
+from qaic_dynamo.runtime import PieceRunner
 
 from harness import Driver
 
@@ -58,7 +61,7 @@ def test_loading_artifacts_imports_no_exporter():
     until a piece is actually lowered."""
     code = textwrap.dedent("""
         import sys
-        import qaic_dynamo.artifact, qaic_dynamo.runtime, qaic_dynamo.cache, qaic_dynamo.backend
+        import qaic_dynamo.artifact, qaic_dynamo.runtime, qaic_dynamo.cache, qaic_dynamo.compiler.backend
         bad = sorted(m for m in sys.modules if m.startswith(("torch.onnx", "onnxscript")))
         print(bad)
     """)
@@ -139,7 +142,7 @@ def test_code_digest_covers_every_source_file(tmp_path):
     shutil.copytree(Path(qaic_dynamo.__file__).parent, pkg, ignore=shutil.ignore_patterns("__pycache__"))
     before = fingerprint_stage.code_digest(pkg)
     assert before == fingerprint_stage.code_digest(pkg)
-    lowering = pkg / "lowering.py"
+    lowering = pkg / "lowering" / "piece.py"
     lowering.write_text(lowering.read_text() + "\n# an edit\n")
     edited = fingerprint_stage.code_digest(pkg)
     assert edited != before
@@ -580,9 +583,9 @@ def test_pieces_take_dynamos_fake_values_which_equal_fake_tensor_propagation(mon
     # re-running the piece on fakes; both must give the same value for every node.
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    from qaic_dynamo import lowering
+    from qaic_dynamo.lowering import prepare
 
-    seen, original = [], lowering.fake_values
+    seen, original = [], prepare.fake_values
 
     def checked(gm, example_args, fake_mode):
         propagated = FakeTensorProp.propagate_dont_convert_inputs
@@ -601,14 +604,14 @@ def test_pieces_take_dynamos_fake_values_which_equal_fake_tensor_propagation(mon
                 assert str(val) == str(want), node
         seen.append(len(taken))
 
-    monkeypatch.setattr(lowering, "fake_values", checked)
+    monkeypatch.setattr(prepare, "fake_values", checked)
     model = llama(2)
     run_steps(model, torch.compile(model, backend="qaic", options={"fallback": "error"}), steps=1)
     assert len(seen) == 3 and all(n > 5 for n in seen), seen  # first, middle, last piece
 
 
 def test_fake_values_propagate_a_graph_without_dynamos_values():
-    from qaic_dynamo.lowering import fake_values
+    from qaic_dynamo.lowering.prepare import fake_values
 
     gm = fx.symbolic_trace(nn.Sequential(nn.Linear(4, 3), nn.ReLU()))
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)  # the weights are real
@@ -718,7 +721,7 @@ def test_registry_matches_from_torchlib():
     # differently from the exporter.
     from torch.onnx._internal.exporter._registration import ONNXRegistry
 
-    from qaic_dynamo.lowering import onnx_registry
+    from qaic_dynamo.lowering.registry import onnx_registry
 
     ours, reference = onnx_registry(18), ONNXRegistry.from_torchlib(opset_version=18)
 
@@ -742,11 +745,8 @@ def test_deferred_script_functions_equal_onnxscripts_own():
 
     import onnxscript
 
-    from qaic_dynamo.lowering import (
-        deferred_script_function_class,
-        deferred_signature_traced_function_class,
-        onnx_registry,
-    )
+    from qaic_dynamo.lowering.deferred import deferred_script_function_class, deferred_signature_traced_function_class
+    from qaic_dynamo.lowering.registry import onnx_registry
 
     onnx_registry(18)  # it imports the library, unless something in this process did first
     from onnxscript.function_libs.torch_lib import registration
@@ -792,8 +792,8 @@ DEFERRAL_CHECK = """
 import sys
 import onnxscript
 from onnxscript import opset18 as op
-from qaic_dynamo.lowering import (deferred_script_conversion, deferred_script_function_class,
-                                  deferred_signature_traced_function_class)
+from qaic_dynamo.lowering.deferred import (deferred_script_conversion, deferred_script_function_class,
+                                           deferred_signature_traced_function_class)
 
 assert "onnxscript.function_libs.torch_lib.ops" not in sys.modules
 script, traced = onnxscript.script, onnxscript.values.TracedOnnxFunction
@@ -830,7 +830,7 @@ assert (onnxscript.script, onnxscript.values.TracedOnnxFunction) == (script, tra
 # Two threads lowering in a cold process: one registry, the library deferred, the
 # wrappers onnxscript's own afterwards.
 import threading
-from qaic_dynamo.lowering import onnx_registry
+from qaic_dynamo.lowering.registry import onnx_registry
 
 got = []
 threads = [threading.Thread(target=lambda: got.append(onnx_registry(18))) for _ in range(2)]
@@ -864,7 +864,8 @@ def test_decompositions_are_the_exporters_without_its_composite_implicit_entries
     # it keeps, and every op it leaves out is such an op.
     from torch._export.utils import _is_cia_op
 
-    from qaic_dynamo.lowering import decompositions, onnx_registry, torch_onnx_internals
+    from qaic_dynamo._compat import torch_onnx_internals
+    from qaic_dynamo.lowering.registry import decompositions, onnx_registry
 
     onnx_decomp = torch_onnx_internals().decomp
     full = onnx_decomp.create_onnx_friendly_decomposition_table(
@@ -889,7 +890,8 @@ def test_op_signatures_are_inferred_for_the_ops_a_graph_uses_and_equal_the_eager
     import torch.fx as fx
     from torch.onnx._internal.exporter._registration import OnnxDecompMeta
 
-    from qaic_dynamo.lowering import build_onnx_registry, infer_op_signatures
+    from qaic_dynamo.lowering.registry import build_onnx_registry
+    from qaic_dynamo.lowering.signatures import infer_op_signatures
 
     registry = build_onnx_registry(18)  # a fresh one: another test may have inferred all of the cached one's
     graph = fx.Graph()
@@ -907,10 +909,10 @@ def test_op_signatures_are_inferred_for_the_ops_a_graph_uses_and_equal_the_eager
 
 
 def test_without_the_direct_path_the_exporter_lowers_every_piece_with_one_warning(monkeypatch):
-    from qaic_dynamo import lowering
+    from qaic_dynamo._compat import torch_2_13
 
-    monkeypatch.setattr(lowering, "TESTED_TORCH", "0.0.0")
-    lowering.torch_onnx_internals.cache_clear()
+    monkeypatch.setattr(torch_2_13, "TESTED_TORCH", "0.0.0")
+    torch_2_13.torch_onnx_internals.cache_clear()
     try:
         model = llama()
         with pytest.warns(RuntimeWarning, match=r"public torch.onnx exporter \(slower\): torch .* is not the tested 0.0.0"), \
@@ -920,7 +922,7 @@ def test_without_the_direct_path_the_exporter_lowers_every_piece_with_one_warnin
         assert len(lowered) == 3 and all("no direct path on torch" in p.exporter_fallback for p in lowered)
         assert "lowered by the exporter: no direct path" in last_compile_report().table()
     finally:
-        lowering.torch_onnx_internals.cache_clear()
+        torch_2_13.torch_onnx_internals.cache_clear()
     ref = run_steps(model, model, steps=1)
     assert max((a - b).abs().max().item() for a, b in zip(out, ref)) < 1e-4
 
@@ -956,6 +958,7 @@ def test_the_direct_path_refuses_a_trace_that_specialises_a_dynamic_size():
     """Such a trace would give an ONNX model that serves one token count only; it must
     never be used (the exporter, or an eager fallback, takes the piece instead)."""
     from qaic_dynamo import lowering
+    from qaic_dynamo.lowering.prepare import prepare
 
     def f(x):
         return size_branch(x * 2) + 1
@@ -964,7 +967,7 @@ def test_the_direct_path_refuses_a_trace_that_specialises_a_dynamic_size():
     torch.compile(f, backend=lambda gm, ex: graphs.append((gm, ex)) or gm.forward, dynamic=True)(torch.ones(5, 3))
     gm, example = graphs[0]
     args = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
-    prepared = lowering.prepare(gm, args, args[-1].fake_mode)
+    prepared = prepare(gm, args, args[-1].fake_mode)
     with pytest.raises(Exception, match=r"specialised dynamic size\(s\) \['s\d+'\] to constants"):
         lowering.aten_graph(prepared.gm, prepared.example, prepared.dynamic_shapes, 18)
 
@@ -1016,14 +1019,15 @@ def _promotion_cases():
 def test_selective_type_promotion_gives_the_exporters_graph(monkeypatch, case):
     # insert_type_promotion re-runs only the nodes it casts; the graph must be exactly the
     # one the exporter's full pass (which re-runs every node) produces.
-    from qaic_dynamo import lowering
+    from qaic_dynamo._compat import torch_onnx_internals
+    from qaic_dynamo.lowering import aten_trace
 
     fn, example, dims = _promotion_cases()[case]
     with torch.no_grad():
-        selective = lowering.aten_graph(fn, example, dims, 18)
-        monkeypatch.setattr(lowering, "insert_type_promotion",
-                            lowering.torch_onnx_internals().fx_passes.insert_type_promotion_nodes)
-        full = lowering.aten_graph(fn, example, dims, 18)
+        selective = aten_trace.aten_graph(fn, example, dims, 18)
+        monkeypatch.setattr(aten_trace, "insert_type_promotion",
+                            torch_onnx_internals().fx_passes.insert_type_promotion_nodes)
+        full = aten_trace.aten_graph(fn, example, dims, 18)
     casts = [n for n in full.graph.nodes if n.target is torch.ops.prims.convert_element_type.default]
     assert casts, "the case must need promotion, or it tests nothing"
     assert selective.code == full.code
@@ -1035,11 +1039,11 @@ def test_op_signatures_are_memoized_only_while_translating():
     import onnx
     from onnx_ir.schemas import OpSignature
 
-    from qaic_dynamo import lowering
+    from qaic_dynamo.lowering.signatures import memoized_op_signatures
 
     original = OpSignature.__dict__["from_op_schema"]
-    with lowering._memoized_op_signatures():
-        with lowering._memoized_op_signatures():  # overlapping translations (threads)
+    with memoized_op_signatures():
+        with memoized_op_signatures():  # overlapping translations (threads)
             a = OpSignature.from_op_schema(onnx.defs.get_schema("Add", 18))
             b = OpSignature.from_op_schema(onnx.defs.get_schema("Add", 18))
         assert a is b and OpSignature.__dict__["from_op_schema"] is not original
@@ -1066,7 +1070,7 @@ def test_openmp_workers_are_released_and_pytorch_still_runs_in_parallel():
 
 @pytest.mark.parametrize("release", [True, False])
 def test_every_onnx_runtime_run_first_releases_the_openmp_workers(monkeypatch, release):
-    from qaic_dynamo import runtime
+    from qaic_dynamo.runtime import openmp as runtime
 
     model = llama()
     compiled = torch.compile(model, backend="qaic", options={"release_openmp_workers": release})

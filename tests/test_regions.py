@@ -15,7 +15,7 @@ import qaic_dynamo
 from qaic_dynamo import LLM, compilation_counter
 from qaic_dynamo.config import ConfigError
 from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM, QaicMLAConfig, QaicMLAForCausalLM
-from qaic_dynamo.regions import CompiledRegion, find_repeated_blocks, plan_regions
+from qaic_dynamo.compiler.regions import CompiledRegion, find_repeated_blocks, plan_regions
 from qaic_dynamo.runtime import PieceRunner
 
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38, 46, 26, 43, 38]]
@@ -108,15 +108,15 @@ def test_a_second_model_of_the_same_class_with_another_float_is_compiled_too(reg
 def test_dynamo_traces_regions_without_its_fake_tensor_cache_and_whole_models_with_it(regional, monkeypatch):
     """A region's graph holds each op about once: Dynamo traces it with its fake-tensor
     cache off (regions.region_config). A whole model's layers repeat: cache on."""
-    from qaic_dynamo import lowering
+    from qaic_dynamo.lowering import piece
 
-    seen, prepare = [], lowering.prepare
+    seen, prepare = [], piece.prepare
 
     def recording(gm, example_args, fake_mode):  # fake_mode: the one Dynamo traced in
         seen.append(fake_mode.cache_enabled)
         return prepare(gm, example_args, fake_mode)
 
-    monkeypatch.setattr(lowering, "prepare", recording)
+    monkeypatch.setattr(piece, "prepare", recording)
     model = llama(2)
     before = (torch._dynamo.config.fake_tensor_cache_enabled, torch._dynamo.config.specialize_float)
     got = engine(model, regional=regional, compile_options={"cache": False}).generate(PROMPTS, 3)
@@ -261,7 +261,7 @@ def test_a_block_runner_keeps_every_layers_weights_bound(L):
     """One runner serves every layer of the block; it keeps one binding per layer (the
     forward context's layer index), so a step re-binds activations, never a layer's weights,
     and no layer's binding holds another layer's weights."""
-    from qaic_dynamo.backend import compile_reports
+    from qaic_dynamo.compiler import compile_reports
 
     model = llama(L)
     llm = engine(model)
@@ -366,8 +366,6 @@ def test_more_models_of_one_block_class_than_dynamos_recompile_limit_all_compile
     # Models of one block class share its forward's code object (transformers: every decoder
     # class shares forward_with_checkpointing); past Dynamo's limit of 8 entries the next
     # model's layers ran eagerly with no qaic warning and no fallback counted (found by review).
-    from qaic_dynamo import regions
-
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class PassThrough(TorchDispatchMode):  # Dynamo skips frames under a dispatch mode
@@ -386,7 +384,9 @@ def test_more_models_of_one_block_class_than_dynamos_recompile_limit_all_compile
         with compilation_counter.expect(num_eager_fallbacks=0), PassThrough():
             model(torch.randn(5, width))
         # Past the region limit it is said, and counted.
-        monkeypatch.setattr(regions, "REGION_RECOMPILE_LIMIT", 2)
+        from qaic_dynamo.compiler.regions import settings
+
+        monkeypatch.setattr(settings, "REGION_RECOMPILE_LIMIT", 2)
         torch._dynamo.reset()
         with torch._dynamo.config.patch(recompile_limit=2):
             for width in (8, 10, 12):
@@ -817,10 +817,10 @@ def test_an_engine_step_runs_every_layer_through_the_guarded_path():
 
 
 def test_on_an_untested_torch_blocks_enter_through_dynamo_with_one_warning(monkeypatch):
-    from qaic_dynamo import lowering, regions
+    from qaic_dynamo._compat import torch_2_13
 
-    monkeypatch.setattr(lowering, "TESTED_TORCH", "0.0.0")
-    regions.dynamo_internals.cache_clear()
+    monkeypatch.setattr(torch_2_13, "TESTED_TORCH", "0.0.0")
+    torch_2_13.dynamo_internals.cache_clear()
     try:
         model = Stack(2)
         pattern = r"region_dispatch='guarded' unavailable\): torch .* is not the tested 0.0.0"
@@ -829,7 +829,7 @@ def test_on_an_untested_torch_blocks_enter_through_dynamo_with_one_warning(monke
         assert len([w for w in record if re.search(pattern, str(w.message))]) == 1  # not one per region
         assert all(m.dispatch is None for m in model.layers)
     finally:
-        regions.dynamo_internals.cache_clear()
+        torch_2_13.dynamo_internals.cache_clear()
 
 
 def test_bad_region_dispatch_is_refused():

@@ -9,7 +9,8 @@ import torch
 
 from qaic_dynamo import LLM, SamplingParams
 from qaic_dynamo.models import hf_model_from_config
-from qaic_dynamo.sampling import Sampler, SamplingParamsError
+from qaic_dynamo.engine.sampling import Sampler
+from qaic_dynamo.errors import SamplingParamsError
 
 WORDS = [f"w{i}" for i in range(200)]
 

@@ -18,9 +18,9 @@ import torch
 
 from qaic_dynamo import LLM
 from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM, QaicMLAConfig, QaicMLAForCausalLM
-from qaic_dynamo.sampling import SamplingParamsError
-from qaic_dynamo.serving import (
-    SHM_PREFIX,
+from qaic_dynamo.errors import SamplingParamsError
+from qaic_dynamo.deploy.serving.shm import SHM_PREFIX
+from qaic_dynamo.deploy.serving import (
     DisaggregatedServer,
     KVSliceError,
     KVSliceSpec,
@@ -173,7 +173,7 @@ import ctypes, json, mmap, sys
 import torch
 from qaic_dynamo.engine import Request
 from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM
-from qaic_dynamo.serving import Session
+from qaic_dynamo.deploy.serving import Session
 
 torch.manual_seed(0)
 model = QaicLlamaForCausalLM(QaicLlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
@@ -453,7 +453,7 @@ def test_a_gloo_hand_off_cut_by_the_prefill_workers_death_fails_only_that_reques
 
 
 def test_summary_of_a_run_where_every_request_failed():
-    from qaic_dynamo.serving import RequestResult, summarize
+    from qaic_dynamo.deploy.serving import RequestResult, summarize
 
     failed = [RequestResult(i, [1, 2], submitted=0.0, error="the prefill worker died") for i in range(3)]
     s = summarize(failed)  # was {}, and the CLI's summary line raised KeyError
@@ -461,7 +461,7 @@ def test_summary_of_a_run_where_every_request_failed():
 
 
 def test_cli_serves_a_prompt_file(tmp_path, capsys):
-    from qaic_dynamo.__main__ import main
+    from qaic_dynamo.cli import main
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("1 2 3 4\n\n5 6\n" + " ".join(["7"] * 30) + "\n")
@@ -481,7 +481,7 @@ def test_cli_names_why_a_worker_could_not_start(tmp_path, capsys):
     # the parent's traceback around the worker's.
     from transformers import LlamaConfig
 
-    from qaic_dynamo.__main__ import main
+    from qaic_dynamo.cli import main
     from qaic_dynamo.models import hf_model_from_config
 
     hf_model_from_config(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

@@ -1,0 +1,384 @@
+"""DisaggregatedServer: a prefill worker and a decode worker sharing KV.
+
+Failures: a request that would not fit in ``ctx_len`` is rejected before any write; if
+the prefill worker dies, the requests it held fail with an error naming it while decode
+keeps serving the running ones (with ``"shm"``/``"copy"`` a new prefill worker takes the
+queued requests); stopping the server, cleanly or by an exception, unlinks every
+shared-memory segment.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import multiprocessing as mp
+import queue
+import socket
+import statistics
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+from qaic_dynamo.deploy.serving.kv_slices import kv_buffer_names
+from qaic_dynamo.deploy.serving.shm import SharedKVBuffers
+from qaic_dynamo.deploy.serving.transports import TRANSPORTS
+from qaic_dynamo.deploy.serving.workers import Job, decode_worker, prefill_worker
+from qaic_dynamo.engine import BACKENDS, SamplingParams, is_token_id
+from qaic_dynamo.models import load_model
+
+__all__ = ["MAX_PREFILL_RESTARTS", "DisaggregatedServer", "RequestResult", "summarize"]
+
+
+@dataclass
+class RequestResult:
+    request_id: int
+    prompt: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    #: Seconds from submission to the first token (None if it never came).
+    ttft: float | None = None
+    #: KV bytes moved at this request's hand-off (0 with slicing).
+    kv_bytes_moved: int = 0
+    error: str | None = None
+    submitted: float = 0.0
+    finished: float | None = None
+
+
+def _free_local_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it; it could be taken again
+    before it is bound, as with any such probe)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+#: The most prefill restarts a server can be given (see ``max_prefill_restarts``).
+MAX_PREFILL_RESTARTS = 64
+
+
+class DisaggregatedServer:
+    """A prefill worker and a decode worker sharing KV through ``transport``.
+
+    ``decode_slots`` sequences decode together; more requests wait until a slot is free,
+    then are prefilled into it while decode keeps stepping the others. Use as a context
+    manager (or call :meth:`stop`): that always ends the workers and unlinks the shared
+    memory. ``chunk_delay`` (seconds after each prefill chunk) slows prefill down for
+    fault tests and demos. ``gloo_init_method`` (transport ``"gloo"``) is where the two
+    workers meet, by default a port on 127.0.0.1 that is free at start-up. A prefill worker
+    that dies is replaced up to ``max_prefill_restarts`` times (never with gloo, whose
+    process group dies with it); after that, requests fail with an error until the
+    server is restarted.
+    """
+
+    def __init__(self, model: Any, *, decode_slots: int = 4, ctx_len: int = 256, prefill_stages: int = 1,
+                 chunk_size: int = 64, transport: str = "shm", backend: str = "qaic",
+                 kv_cache_prefix: str | None = None, threads_per_worker: int = 1,
+                 gloo_init_method: str | None = None, startup_timeout: float = 600,
+                 chunk_delay: float = 0.0, max_prefill_restarts: int = 3) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"DisaggregatedServer: transport must be one of {list(TRANSPORTS)}, got {transport!r}")
+        for name, v in (("decode_slots", decode_slots), ("ctx_len", ctx_len), ("chunk_size", chunk_size),
+                        ("prefill_stages", prefill_stages)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"DisaggregatedServer: {name} must be a positive int, got {v!r}")
+        # Each restart's hand-off queue is made at start() and held open by the server and
+        # decode (two file descriptors each), so the count is bounded.
+        if (not isinstance(max_prefill_restarts, int) or isinstance(max_prefill_restarts, bool)
+                or not 0 <= max_prefill_restarts <= MAX_PREFILL_RESTARTS):
+            raise ValueError(f"DisaggregatedServer: max_prefill_restarts must be an int in [0, {MAX_PREFILL_RESTARTS}], "
+                             f"got {max_prefill_restarts!r}")
+
+        if not isinstance(threads_per_worker, int) or isinstance(threads_per_worker, bool) or threads_per_worker < 1:
+            raise ValueError(f"DisaggregatedServer: threads_per_worker must be a positive int, got {threads_per_worker!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"DisaggregatedServer: backend must be one of {list(BACKENDS)}, got {backend!r}")
+        if gloo_init_method is not None and transport != "gloo":
+            raise ValueError(f"DisaggregatedServer: gloo_init_method is the gloo transport's rendezvous, but the "
+                             f"transport is {transport!r}; pass transport='gloo' or drop gloo_init_method")
+        self.model = model
+        self.transport = transport
+        self.ctx_len = ctx_len
+        if transport == "gloo" and gloo_init_method is None:
+            gloo_init_method = f"tcp://127.0.0.1:{_free_local_port()}"
+        self.cfg = dict(slots=decode_slots, ctx_len=ctx_len, stages=prefill_stages, chunk_size=chunk_size,
+                        transport=transport, backend=backend, kv_cache_prefix=kv_cache_prefix,
+                        threads=threads_per_worker, init_method=gloo_init_method, chunk_delay=chunk_delay)
+        self.startup_timeout = startup_timeout
+        self.max_prefill_restarts = max_prefill_restarts
+        self._no_prefill: str | None = None
+        self._ctx = mp.get_context("spawn")
+        self.buffers: SharedKVBuffers | None = None
+        self._prefill = self._decode = None
+        self._ids = itertools.count()
+        self._syncs = itertools.count()
+        self.results: dict[int, RequestResult] = {}  # the running generate() call's requests
+        self.restarts = 0
+        # Why the workers may still hold requests no generate() call tracks (a call that
+        # ended by an exception): slots would then be reused under them. None: clean.
+        self._unusable: str | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def __enter__(self) -> DisaggregatedServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        if self.buffers is not None:
+            raise RuntimeError("DisaggregatedServer: already started; stop() it before starting it again")
+        self._unusable = None
+        try:
+            probe = load_model(self.model)
+            shapes = probe.kv_cache_shapes(self.cfg["slots"], self.ctx_len)
+            names = kv_buffer_names(probe, self.cfg["kv_cache_prefix"])
+            dtype = next(probe.parameters()).dtype
+            self.vocab = probe.vocab_size
+            flat = {n: s for layer, ns in zip(probe.kv_cache_layers, names) for n, s in zip(ns, shapes[layer])}
+            self.buffers = SharedKVBuffers(flat, dtype)
+            # One writing process per queue: a worker killed while writing holds that queue's
+            # write lock for good, and then only its own queues are stuck - jobs and its
+            # events queue are replaced with it; its hand-offs are drained after its death,
+            # and its replacement writes the next of the hand-off queues. Those must exist
+            # before decode starts (a queue reaches a process only when it is created).
+            self._jobs = self._ctx.Queue()  # server -> prefill
+            self._handoff_queues = [self._ctx.Queue() for _ in range(self.max_prefill_restarts + 1)]  # prefill -> decode
+            self._generation = 0  # which prefill worker, and which hand-off queue, is running
+            self._no_prefill = None  # why the prefill worker could not be replaced
+            self._control, self._events = self._ctx.Queue(), self._ctx.Queue()  # server -> decode -> server
+            self._prefill_events = self._ctx.Queue()  # prefill -> server
+            self._decode = self._ctx.Process(target=decode_worker, daemon=True, name="qaic-decode", args=(
+                self.model, self.cfg, self.buffers.descriptor, self._handoff_queues, self._control, self._events))
+            self._decode.start()
+            self._start_prefill()
+            self._wait_for(lambda kind, who, payload: kind == "ready", {"prefill", "decode"}, "start")
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_prefill(self) -> None:
+        self._prefill = self._ctx.Process(target=prefill_worker, daemon=True, name="qaic-prefill", args=(
+            self.model, self.cfg, self.buffers.descriptor, self._jobs, self._handoff_queues[self._generation],
+            self._prefill_events))
+        self._prefill.start()
+
+    def _wait_for(self, match: Any, keys: set, what: str, on_other: Any = None) -> None:
+        """Consume events until ``match`` has been true for every key (the event's second
+        field); other events go to ``on_other``."""
+        deadline = time.monotonic() + self.startup_timeout
+        while keys:
+            try:
+                kind, who, payload = self._next_event(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
+            except queue.Empty:
+                # A worker killed (out of memory, a signal) or crashed before it could post
+                # an event says nothing: look, rather than wait out the timeout.
+                for name, proc in (("prefill", self._prefill), ("decode", self._decode)):
+                    if proc is not None and proc.exitcode is not None:
+                        raise RuntimeError(f"DisaggregatedServer: the {name} worker exited (exit code {proc.exitcode}) "
+                                           f"while waiting for its {what}") from None
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"DisaggregatedServer: no {what} from {sorted(keys)} in "
+                                       f"{self.startup_timeout:.0f} s") from None
+                continue
+            if kind == "worker_error":
+                raise RuntimeError(f"DisaggregatedServer: the {who} worker failed:\n{payload}")
+            if match(kind, who, payload):
+                keys.discard(who)
+            elif on_other is not None:
+                on_other(kind, who, payload)
+
+    def _next_event(self, timeout: float) -> tuple[str, Any, Any]:
+        """The next event of either worker (the prefill worker's first); queue.Empty if
+        none came within ``timeout``."""
+        try:
+            return self._prefill_events.get_nowait()
+        except queue.Empty:
+            return self._events.get(timeout=timeout)
+
+    def stop(self) -> None:
+        """End both workers and unlink the shared memory (idempotent)."""
+        for q in ("_jobs", "_control"):
+            if hasattr(self, q):
+                try:
+                    getattr(self, q).put(None)
+                except Exception:
+                    pass
+        for p in (self._prefill, self._decode):
+            if p is not None and p.is_alive():
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+        self._prefill = self._decode = None
+        if self.buffers is not None:
+            self.buffers.close()
+            self.buffers.unlink()
+            self.buffers = None
+
+    @property
+    def prefill_pid(self) -> int | None:
+        return self._prefill.pid if self._prefill is not None else None
+
+    # -- serving --------------------------------------------------------------------------
+    def validate(self, prompt: Sequence[int], max_tokens: int) -> None:
+        """Reject, before anything is written, a request that cannot be served. A prompt
+        is a sequence of token ids (a list, a 1-d tensor or array)."""
+        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
+            raise TypeError(f"DisaggregatedServer: a prompt must be a sequence of token ids, got {type(prompt).__name__}")
+        if len(prompt) == 0:
+            raise ValueError("DisaggregatedServer: empty prompt")
+        if not is_token_id(max_tokens) or max_tokens < 1:
+            raise ValueError(f"DisaggregatedServer: max_tokens must be a positive int, got {max_tokens!r}")
+        if len(prompt) + max_tokens > self.ctx_len:
+            raise ValueError(f"DisaggregatedServer: prompt ({len(prompt)} tokens) + max_tokens={max_tokens} would not fit "
+                             f"in a slot's ctx_len={self.ctx_len}; shorten it or start the server with a larger ctx_len")
+        not_ids = [t for t in prompt if not is_token_id(t)]
+        if not_ids:
+            raise TypeError(f"DisaggregatedServer: token ids that are not integers: {not_ids[:5]}")
+        bad = [t for t in prompt if not 0 <= t < self.vocab]
+        if bad:
+            raise ValueError(f"DisaggregatedServer: token ids outside the vocabulary [0, {self.vocab}): {bad[:5]}")
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int | Sequence[int] = 16,
+                 stop_token_ids: Sequence[int] = (), progress: Any = None, timeout: float = 600) -> list[RequestResult]:
+        """Serve ``prompts`` (greedy) and return one result per prompt, in order. Every
+        request is validated before any is started. A request held by a prefill worker
+        that died comes back with ``error`` set; the others are served."""
+        if self.buffers is None:
+            raise RuntimeError("DisaggregatedServer: not started (use it as a context manager or call start())")
+        if self._unusable is not None:
+            raise RuntimeError(f"DisaggregatedServer: {self._unusable}; stop() and start() the server again")
+        if self._no_prefill is not None:  # _prefill_died could not replace it
+            raise RuntimeError(f"DisaggregatedServer: {self._no_prefill}; stop() and start() the server again")
+        # One count (an int, numpy's too) for every prompt, or one per prompt; anything else
+        # (a bool) goes to validate, which names it.
+        one = is_token_id(max_tokens) or not isinstance(max_tokens, Iterable)
+        counts = [max_tokens] * len(prompts) if one else list(max_tokens)
+        if len(counts) != len(prompts):
+            raise ValueError("DisaggregatedServer: one max_tokens per prompt")
+        for p, n in zip(prompts, counts):
+            self.validate(p, n)
+        stops = SamplingParams(stop_token_ids=stop_token_ids).stop_token_ids  # the engine's check and form
+        waiting = []
+        self.results = {}  # this call's requests only: results do not pile up across calls
+        for p, n in zip(prompts, counts):
+            rid = next(self._ids)
+            ids = [int(t) for t in p]  # numpy or 0-d tensor ids become plain ints here
+            self.results[rid] = RequestResult(rid, ids, submitted=time.perf_counter())
+            waiting.append(Job(rid, ids, int(n), stops, -1))
+        order = [j.request_id for j in waiting]
+        free = list(range(self.cfg["slots"]))
+        capacity = self.cfg["stages"] + 1  # prefill holds at most its execution slots
+        at_prefill: dict[int, Job] = {}  # sent to prefill, not yet admitted by decode
+        active: dict[int, Job] = {}  # admitted by decode
+        deadline = time.monotonic() + timeout
+
+        def on_event(kind: str, rid: Any, payload: Any) -> None:
+            if kind == "admitted":
+                first, t_first, moved = payload
+                r = self.results[rid]
+                r.ttft, r.kv_bytes_moved = t_first - r.submitted, moved
+                active[rid] = at_prefill.pop(rid)
+            elif kind == "lost":  # its KV never arrived (see decode_worker's admit)
+                slot, reason = payload
+                self.results[rid].error = (f"the KV hand-off of request {rid} failed ({reason}); it was not served "
+                                           "(decode kept serving the running requests)")
+                at_prefill.pop(rid)
+                free.append(slot)
+            elif kind == "finished":
+                slot, tokens = payload
+                r = self.results[rid]
+                r.token_ids, r.finished = tokens, time.perf_counter()
+                active.pop(rid)
+                free.append(slot)  # decode is done with it: the next prefill may overwrite it
+                if progress is not None:
+                    progress(r)
+
+        try:
+            self._serve(waiting, at_prefill, active, free, capacity, on_event, deadline, timeout)
+        except BaseException as e:
+            if at_prefill or active:
+                # The workers still hold these requests and their slots; a later call
+                # must not hand the slots out again.
+                self._unusable = (f"an earlier generate() ended ({type(e).__name__}) with {len(at_prefill) + len(active)}"
+                                  " request(s) still in the workers")
+            raise
+        return [self.results[rid] for rid in order]
+
+    def _serve(self, waiting: list[Job], at_prefill: dict[int, Job], active: dict[int, Job], free: list[int],
+               capacity: int, on_event: Any, deadline: float, timeout: float) -> None:
+        while waiting or at_prefill or active:
+            while waiting and free and len(at_prefill) < capacity:
+                job = waiting.pop(0)
+                job.decode_slot = free.pop(0)
+                at_prefill[job.request_id] = job
+                self._jobs.put(job)
+            try:
+                kind, rid, payload = self._next_event(timeout=0.1)
+                if kind == "worker_error":
+                    raise RuntimeError(f"DisaggregatedServer: the {rid} worker failed:\n{payload}")
+                on_event(kind, rid, payload)
+            except queue.Empty:
+                pass
+            if self._prefill is not None and not self._prefill.is_alive():
+                self._prefill_died(at_prefill, free, waiting, on_event)
+            if self._decode is not None and not self._decode.is_alive():
+                raise RuntimeError(f"DisaggregatedServer: the decode worker died (exit code {self._decode.exitcode})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"DisaggregatedServer: requests not finished after {timeout:.0f} s")
+
+    def _prefill_died(self, at_prefill: dict[int, Job], free: list[int], waiting: list[Job], on_event: Any) -> None:
+        """Fail the requests the dead prefill worker held, never a slot decode still uses:
+        a marker sent after everything the worker handed off tells which ones decode took."""
+        code = self._prefill.exitcode
+        self._prefill = None
+        marker = next(self._syncs)
+        if self.transport == "gloo":  # its process group died with it: nothing can prefill
+            self._no_prefill = f"the prefill worker died (exit code {code}) and the gloo transport cannot replace it"
+        elif self._generation == self.max_prefill_restarts:
+            self._no_prefill = (f"the prefill worker died (exit code {code}) after {self._generation} restart(s), the "
+                                f"most this server makes (max_prefill_restarts={self.max_prefill_restarts})")
+        else:
+            self._generation += 1
+        self._control.put(("sync", marker, self._generation))
+        self._wait_for(lambda kind, who, payload: kind == "synced" and who == marker, {marker}, "sync",
+                       on_other=on_event)
+        for rid, job in list(at_prefill.items()):
+            self.results[rid].error = (f"the prefill worker died (exit code {code}) while prefilling request {rid}; "
+                                       "it was not served (decode kept serving the running requests)")
+            free.append(job.decode_slot)
+            del at_prefill[rid]
+        if self._no_prefill is not None:
+            for job in waiting:
+                self.results[job.request_id].error = self._no_prefill
+            waiting.clear()
+            return
+        # The dead worker's queues may hold a half-read job, or a write lock it never released
+        # (its hand-off queue too: the replacement writes the next one).
+        self._jobs, self._prefill_events = self._ctx.Queue(), self._ctx.Queue()
+        self._start_prefill()
+        self.restarts += 1
+        self._wait_for(lambda kind, who, payload: kind == "ready", {"prefill"}, "restart", on_other=on_event)
+
+
+def summarize(results: Sequence[RequestResult]) -> dict[str, float | None]:
+    """Request and failure counts, TTFT median / p90 (s), decode tokens/s and KV bytes moved
+    per hand-off (None when no request was served)."""
+    ok = [r for r in results if r.error is None and r.ttft is not None]
+    ttfts = sorted(r.ttft for r in ok)
+    if not ok:  # nothing was served: counts only, every figure None
+        return {"requests": len(results), "failed": len(results), "ttft_median_s": None, "ttft_p90_s": None,
+                "decode_tokens_per_s": None, "kv_bytes_per_handoff": None, "wall_s": None}
+    start = min(r.submitted for r in ok)
+    end = max(r.finished or 0 for r in ok)
+    decode_tokens = sum(max(0, len(r.token_ids) - 1) for r in ok)
+    return {
+        "requests": len(results), "failed": len(results) - len(ok),
+        "ttft_median_s": statistics.median(ttfts),
+        "ttft_p90_s": ttfts[min(len(ttfts) - 1, math.ceil(0.9 * len(ttfts)) - 1)],
+        "decode_tokens_per_s": decode_tokens / max(1e-9, end - start),
+        "kv_bytes_per_handoff": statistics.mean(r.kv_bytes_moved for r in ok),
+        "wall_s": end - start,
+    }

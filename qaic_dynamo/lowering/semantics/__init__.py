@@ -1,0 +1,96 @@
+"""Where onnxscript's translation differs from eager: torch's own semantics, as
+decompositions applied in the aten trace (and before the exporter's own, on its fallback
+path). One module per op family; :data:`TORCH_SEMANTICS` maps each aten op to the
+decomposition that spells eager's result in ops whose translations are exact. A
+decomposition returns ``NotImplemented`` where the translation is already right (a dtype
+it leaves alone), and raises ``LoweringError`` where no translation can be (the piece
+then runs eagerly).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from qaic_dynamo.lowering.semantics.attention import masked_attention, open_sdpa
+from qaic_dynamo.lowering.semantics.division import div_mode, floor_divide, integer_rest, remainder
+from qaic_dynamo.lowering.semantics.elementwise import atan2, expm1, integer_pow, log1p
+from qaic_dynamo.lowering.semantics.indexing import arange, index_add_in_float32, index_put_in_float32, scatter_reduce
+from qaic_dynamo.lowering.semantics.normalization import batch_norm_no_training, layer_norm_in_float32
+from qaic_dynamo.lowering.semantics.reduced_floats import (
+    in_float32,
+    in_place,
+    reduced_float_comparison,
+    reduced_float_scaled_sum,
+    reduced_float_scaling,
+)
+from qaic_dynamo.lowering.semantics.reductions import (
+    any_as_count,
+    exact_integer_sum,
+    float32_cumsum,
+    integer_isclose,
+    mean_of_maybe_empty,
+    reduce_all_dims,
+    refuse_integer_prod,
+)
+from qaic_dynamo.lowering.semantics.refusals import refusal, refuse_divisor_override
+
+__all__ = ["TORCH_SEMANTICS", "open_sdpa"]
+
+_aten = torch.ops.aten
+#: Ops whose onnxscript translation disagrees with eager, decomposed in the aten trace.
+TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
+    _aten.scatter_reduce.two: scatter_reduce,
+    _aten.arange.default: arange,
+    _aten.arange.start: arange,
+    _aten.arange.start_step: arange,
+    _aten.logsumexp.default: in_float32(_aten.logsumexp.default),
+    _aten.log1p.default: log1p,
+    _aten.native_layer_norm.default: layer_norm_in_float32,
+    _aten.index_add.default: index_add_in_float32,
+    _aten.index_put.default: index_put_in_float32,
+    _aten.expm1.default: expm1,
+    _aten.amax.default: reduce_all_dims(_aten.amax.default),
+    _aten.amin.default: reduce_all_dims(_aten.amin.default),
+    _aten.floor_divide.default: floor_divide,
+    _aten.floor_divide.Scalar: floor_divide,
+    _aten.remainder.Tensor: remainder,
+    _aten.remainder.Scalar: remainder,
+    _aten.remainder.Scalar_Tensor: remainder,
+    _aten.div.Tensor_mode: div_mode,
+    _aten.div.Scalar_mode: div_mode,
+    _aten.atan2.default: atan2,
+    _aten.fmod.Tensor: lambda a, b: integer_rest(a, b, "trunc"),
+    _aten.fmod.Scalar: lambda a, b: integer_rest(a, b, "trunc"),
+    _aten.any.default: any_as_count,
+    _aten.any.dim: any_as_count,
+    _aten.any.dims: any_as_count,
+    _aten.pow.Tensor_Scalar: integer_pow,
+    _aten.pow.Tensor_Tensor: integer_pow,
+    _aten.pow.Scalar: integer_pow,
+    _aten.isclose.default: integer_isclose,
+    _aten.cumsum.default: float32_cumsum,
+    _aten.mean.dim: mean_of_maybe_empty,
+    _aten.sum.default: exact_integer_sum,
+    _aten.sum.dim_IntList: exact_integer_sum,
+    _aten.prod.default: refuse_integer_prod,
+    _aten.prod.dim_int: refuse_integer_prod,
+    # onnxscript's translation (a Loop over a sequence) crashes ONNX Runtime's session
+    # creation (a segfault) - and the artifact was on disk by then, for every later process
+    **{op: refusal("embedding_bag", "ONNX Runtime crashes loading onnxscript's translation of it; such a piece runs "
+                   "eagerly") for op in (_aten._embedding_bag.default, _aten._embedding_bag_forward_only.default)},
+    _aten._native_batch_norm_legit_no_training.default: batch_norm_no_training,
+    _aten.avg_pool2d.default: refuse_divisor_override,
+    _aten.avg_pool3d.default: refuse_divisor_override,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default: masked_attention,
+    **{op: reduced_float_scaling(op) for op in (_aten.mul.Tensor, _aten.mul.Scalar, _aten.div.Tensor, _aten.div.Scalar)},
+    **{op: reduced_float_scaled_sum(op) for op in (_aten.add.Tensor, _aten.sub.Tensor)},
+    **{inplace: in_place(reduced_float_scaled_sum(op))
+       for inplace, op in ((_aten.add_.Tensor, _aten.add.Tensor), (_aten.sub_.Tensor, _aten.sub.Tensor))},
+    **{getattr(_aten, name).Scalar: reduced_float_comparison(getattr(_aten, name).Scalar)
+       for name in ("eq", "ne", "lt", "le", "gt", "ge")},
+    **{getattr(_aten, name).Tensor: reduced_float_comparison(getattr(_aten, name).Tensor)
+       for name in ("eq", "ne", "lt", "le", "gt", "ge")},
+}

@@ -1,0 +1,45 @@
+"""Layer and batch norm in the precision eager's CPU kernels use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_aten = torch.ops.aten
+
+__all__ = ["batch_norm_no_training", "layer_norm_in_float32"]
+
+
+def layer_norm_in_float32(x: Any, shape: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Any:
+    """float16 / bfloat16 ``native_layer_norm`` in float32, rounded back (as eager's CPU
+    kernel accumulates): the translation's LayerNormalization stashes mean and rstd in
+    float32 while the graph declares them float16, which fails the ONNX checker - every
+    float16 LayerNorm piece ran eagerly."""
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return NotImplemented
+    widen = (lambda t: t.float() if t is not None else None)
+    out, mean, rstd = _aten.native_layer_norm.default(x.float(), shape, widen(weight), widen(bias), eps)
+    return out.to(x.dtype), mean.to(x.dtype), rstd.to(x.dtype)
+
+
+def batch_norm_no_training(x: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any, momentum: float,
+                            eps: float) -> Any:
+    """Eval-mode batch norm with its running statistics, as torch's CPU decomposition
+    computes it (float16 / bfloat16 in float32), with empty saved statistics. onnxscript's
+    translation declares those empty outputs with the channel count, which fails the ONNX
+    checker (every eval-mode BatchNorm piece ran eagerly); torch's own decomposition goes
+    through ``_native_batch_norm_legit``, whose schema writes the running statistics (the
+    piece would run eagerly as one writing its inputs)."""
+    work = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    shape = [-1] + [1] * (x.dim() - 2)  # channels in dim 1, broadcast over the rest
+
+    def channel(t: Any) -> Any:
+        return t.to(work).flatten().reshape(shape)
+
+    out = (x.to(work) - channel(running_mean)) * channel(1 / torch.sqrt(running_var.to(work) + eps))
+    if weight is not None:
+        out = out * channel(weight)
+    if bias is not None:
+        out = out + channel(bias)
+    return out.to(x.dtype), x.new_zeros((0,)), x.new_zeros((0,))

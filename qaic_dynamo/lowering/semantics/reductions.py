@@ -1,0 +1,113 @@
+"""Reductions as eager computes them: integer sums exactly, float32 cumsum in double,
+means over empty dims, ``any`` over nothing, ``amax``/``amin`` over every dim, and
+integer ``isclose`` and ``prod``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from qaic_dynamo.errors import LoweringError
+from qaic_dynamo.lowering.semantics.common import REDUCED, integer_result, reduced_dims
+
+__all__ = ["any_as_count", "exact_integer_sum", "float32_cumsum", "integer_isclose", "mean_of_maybe_empty", "reduce_all_dims", "refuse_integer_prod"]
+
+
+def reduce_all_dims(op: Any) -> Callable[..., Any]:
+    """``amax`` / ``amin`` with ``dim=[]`` (``x.amax()``: every dim, as eager) with the dims
+    spelled out: onnxscript's translation requires them."""
+
+    def reduce(x: Any, dim: Any = (), keepdim: bool = False) -> Any:
+        if list(dim):
+            return NotImplemented
+        return op(x, list(range(x.dim())), keepdim) if x.dim() else x.clone()  # a 0-d tensor is its own max
+
+    return reduce
+
+
+def any_as_count(x: Any, dim: Any = None, keepdim: bool = False) -> Any:
+    """``any`` as a count of non-zeros above 0: the translation's ReduceMax of nothing is
+    int64's minimum, which casts to True, so ``x[:, n:].any(1)`` at ``n == x.shape[1]`` was
+    True (eager False)."""
+    dims = reduced_dims(x, dim)
+    count = (x != 0).to(torch.float32)  # counts of ones: a positive float sum is never 0
+    return (count.sum(dims, keepdim=keepdim) if x.dim() else count) > 0
+
+
+def integer_isclose(a: Any, b: Any, rtol: float = 1e-05, atol: float = 1e-08, equal_nan: bool = False) -> Any:
+    """``isclose`` of integer tensors with eager's formula (the tolerances in the default
+    float type): the translation cast the tolerances to the integer type, 0, so
+    ``isclose(1000000, 1000001)`` was False (eager True)."""
+    if a.is_floating_point() or a.is_complex() or b.is_floating_point() or b.is_complex():
+        return NotImplemented
+    close = a == b
+    if rtol == 0 and atol == 0:
+        return close
+    # in the default float type, as eager: an int64 difference would wrap at the extremes
+    a, b = a.to(torch.get_default_dtype()), b.to(torch.get_default_dtype())
+    allowed = atol + (rtol * b).abs()
+    actual = (a - b).abs()
+    # Bool "and" / "or" as integer arithmetic: they trace to prims.bitwise_* (no translation),
+    # and ONNX Runtime's CPU Where has no bool kernel.
+    within = (actual <= allowed).to(torch.int32)
+    if actual.is_floating_point():
+        within = within * torch.isfinite(actual).to(torch.int32)
+    return close.to(torch.int32) + within > 0
+
+
+def float32_cumsum(x: Any, dim: int, *, dtype: Any = None) -> Any:
+    """A float32 ``cumsum`` accumulated in double, as eager's CPU kernel does (ONNX
+    Runtime's CumSum in float32 gave ``[2**24, 1, 1, 1]`` a running sum stuck at 2**24)."""
+    out = dtype or (x.dtype if x.is_floating_point() else None)
+    if out != torch.float32:
+        return NotImplemented
+    return torch.cumsum(x.to(torch.float32).to(torch.float64), dim).to(torch.float32)  # (rounded first, as eager)
+
+
+def mean_of_maybe_empty(x: Any, dim: Any, keepdim: bool = False, *, dtype: Any = None) -> Any:
+    """A floating ``mean`` over dims that may be empty, as a sum over the count: eager's
+    mean of nothing is NaN, the translation's ReduceMean gave 0. Dims of a known non-zero
+    size keep the translation."""
+    dims = reduced_dims(x, dim)
+    sizes = [x.shape[d] for d in dims] if x.dim() else []
+    if all(isinstance(n, int) and n > 0 for n in sizes) or not (dtype or x.dtype).is_floating_point:
+        return NotImplemented
+    count = math.prod(sizes)
+    out = dtype or x.dtype
+    if out in REDUCED:  # eager sums in float32, divides, then rounds once
+        return (torch.sum(x, dims, keepdim=keepdim, dtype=torch.float32) / count).to(out)
+    return torch.sum(x, dims, keepdim=keepdim, dtype=dtype) / count
+
+
+def exact_integer_sum(x: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Any:
+    """An integer ``sum`` through CumSum in int64, which ONNX Runtime computes exactly: its
+    CPU ReduceSum accumulates int64 in double (``[2**53 + 1, 2**53, 1]`` summed to
+    ``2**54``) and saturates an int32 sum where eager wraps (the int64 sum cast to int32
+    wraps, as eager's). The reduced dims are moved last and flattened; a zero in front
+    makes an empty sum 0."""
+    out = integer_result(x, dtype)
+    if out is None:
+        return NotImplemented
+    x = x.to(torch.int64)
+    n = x.dim()
+    dims = sorted({d % n for d in dim} if dim is not None and len(dim) and n else range(n))
+    if not dims:  # a 0-d tensor
+        return x.to(out)
+    kept = [d for d in range(n) if d not in dims]
+    flat = x.permute(*kept, *dims).reshape(*[x.shape[d] for d in kept], math.prod(x.shape[d] for d in dims))
+    flat = torch.cat([flat.new_zeros(*flat.shape[:-1], 1), flat], dim=-1)
+    total = flat.cumsum(-1)[..., -1]
+    if keepdim:
+        for d in dims:
+            total = total.unsqueeze(d)
+    return total.to(out)
+
+
+def refuse_integer_prod(x: Any, *args: Any, dtype: Any = None, **kwargs: Any) -> Any:
+    if integer_result(x, dtype) is None:
+        return NotImplemented
+    raise LoweringError("an integer prod: ONNX Runtime's CPU ReduceProd multiplies int64 in double (3**39 loses its "
+                        "last digits) and saturates an overflow where eager wraps; such a piece runs eagerly")
