@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # the suite (13 -> 7.4 minutes measured). `make test PYTEST_WORKERS=0` runs in one process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test test-all build clean
+.PHONY: demo test test-all lint build clean
 
 # Python 3.11: the pinned torch CPU wheel is built for it.
 $(BIN)/python:
@@ -44,11 +44,17 @@ build: $(EDITABLE)
 demo: build
 	$(BIN)/python -m qaic_dynamo demo
 
-test: build
+# Lint, format and the import layers (pyproject.toml): the cheap checks, first.
+lint: $(DEPS)
+	$(BIN)/ruff check qaic_dynamo tests benchmarks
+	$(BIN)/ruff format --check qaic_dynamo tests benchmarks
+	$(BIN)/lint-imports
+
+test: build lint
 	$(BIN)/python -m pytest tests -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # Everything, including tests marked slow.
-test-all: build
+test-all: build lint
 	$(BIN)/python -m pytest tests -m "" -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 clean:

@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import qaic_dynamo  # noqa: E402
 from common import markdown_table, piece_call_costs, save_results  # noqa: E402
+
 from qaic_dynamo import build_attention_metadata, set_forward_context  # noqa: E402
+from qaic_dynamo.cache import Source  # noqa: E402
 from qaic_dynamo.compiler import last_compile_report  # noqa: E402
 from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM  # noqa: E402
-from qaic_dynamo.cache import Source  # noqa: E402
 
 
 class Batch:

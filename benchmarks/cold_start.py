@@ -165,8 +165,8 @@ def child(method: str, layers: int, hidden: int, vocab: int) -> dict:
         disk_hits=compilation_counter.num_disk_cache_hits - before.num_disk_cache_hits,
     )
     if method in qaic_methods:
-        from qaic_dynamo.compiler import compile_reports
         from qaic_dynamo.cache import Source
+        from qaic_dynamo.compiler import compile_reports
 
         pieces = [p for r in compile_reports() for p in r.pieces]
         lowered = [p.compile_seconds for p in pieces if p.source is Source.LOWERED]  # export + checks + save

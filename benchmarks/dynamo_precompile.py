@@ -66,9 +66,9 @@ def backend(gm, example_inputs):
 def child(step: str, layers: int, path: Path) -> dict:
     from qaic_dynamo import LLM, build_attention_metadata, set_forward_context
     from qaic_dynamo.compiler.collector import collector_paused
+    from qaic_dynamo.compiler.regions import find_repeated_blocks, mark_dynamic_dims, region_config
     from qaic_dynamo.demo import DEFAULT_LLAMA
     from qaic_dynamo.models import hf_config, hf_model_from_config
-    from qaic_dynamo.compiler.regions import find_repeated_blocks, mark_dynamic_dims, region_config
 
     torch.manual_seed(0)
     model = hf_model_from_config(hf_config(dict(DEFAULT_LLAMA, num_hidden_layers=layers)))

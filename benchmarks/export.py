@@ -68,8 +68,8 @@ def child(method: str, layers: int, hidden: int, vocab: int, out: Path) -> dict:
 
     from qaic_dynamo.deploy.export import RetainedStateModel
     from qaic_dynamo.models import load_model
-    from qaic_dynamo.ops.onnx_functions import TRANSLATIONS
     from qaic_dynamo.ops import QAIC_OPS
+    from qaic_dynamo.ops.onnx_functions import TRANSLATIONS
 
     t0 = time.perf_counter()
     m = load_model(model).eval()

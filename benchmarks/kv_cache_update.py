@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import qaic_dynamo  # noqa: E402,F401
 from common import markdown_table, median_seconds, save_results  # noqa: E402
+
+import qaic_dynamo  # noqa: E402,F401
 
 HEADS, HEAD_SIZE, BLOCK = 8, 128, 16
 

@@ -45,9 +45,9 @@ def child(args: argparse.Namespace) -> None:
     import contextlib
 
     import torch
+    from decode_latency import CONTEXT, build
 
     import qaic_dynamo
-    from decode_latency import CONTEXT, build
     from qaic_dynamo import LLM
 
     model = build(args.layers, args.hidden_size, args.vocab)

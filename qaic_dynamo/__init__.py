@@ -5,9 +5,7 @@ Importing the package loads the native op library (``torch.ops.qaic.*``), regist
 ops' fake kernels, and exposes the forward context that the ops read at run time.
 """
 
-import torch  # noqa: F401  (libtorch must be loaded before the extension)
-
-from qaic_dynamo import _C  # noqa: F401
+import qaic_dynamo.native  # noqa: F401  (the op library, before anything that uses it)
 from qaic_dynamo import ops
 from qaic_dynamo.counter import CompilationCounter, compilation_counter
 from qaic_dynamo.errors import QaicError

@@ -18,9 +18,9 @@ import hashlib
 import json
 import numbers
 import os
-from pathlib import Path
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from qaic_dynamo.errors import ConfigError

@@ -150,7 +150,9 @@ def _fresh_compile_state() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qaic_dynamo import LLM, compilation_counter, compile_reports
+    from qaic_dynamo.compiler import compile_reports
+    from qaic_dynamo.counter import compilation_counter
+    from qaic_dynamo.engine import LLM
 
     model = build_model(args)
     g = torch.Generator().manual_seed(args.seed)

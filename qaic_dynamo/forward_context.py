@@ -27,7 +27,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from qaic_dynamo import _C
+from qaic_dynamo.native import _C
 
 __all__ = [
     "FROM_FORWARD_CONTEXT",

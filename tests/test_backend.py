@@ -18,19 +18,18 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._dynamo.exc import BackendCompilerFailed
 from expecttest import TestCase
+from harness import Driver
+from torch._dynamo.exc import BackendCompilerFailed
 
 import qaic_dynamo
 from qaic_dynamo.artifact import LAYOUT_FILE
-from qaic_dynamo.compiler import last_compile_report
 from qaic_dynamo.cache import Source, artifact_cache
+from qaic_dynamo.compiler import last_compile_report
+from qaic_dynamo.compiler.partition import PieceKind, SplitReason, readable_split, split_graph
 from qaic_dynamo.config import CompilationConfig, ConfigError
 from qaic_dynamo.counter import compilation_counter
 from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM
-from qaic_dynamo.compiler.partition import PieceKind, SplitReason, readable_split, split_graph
-
-from harness import Driver
 
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38, 46, 26, 43, 38]]  # batched, variable length
 
@@ -1675,7 +1674,7 @@ def test_config_hash_covers_artifact_fields_only(monkeypatch):
     assert base.compute_hash() == base.replace(release_openmp_workers=False).compute_hash()  # runtime only
     import enum
 
-    class Runtime(str, enum.Enum):  # a str enum is a str, and hashes as its value
+    class Runtime(str, enum.Enum):  # noqa: UP042  (a str enum is a str, and hashes as its value)
         ONNXRUNTIME = "onnxruntime"
 
     assert CompilationConfig.from_options({"runtime": Runtime.ONNXRUNTIME}).compute_hash() == base.compute_hash()

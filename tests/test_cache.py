@@ -14,13 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import Driver
 
 from qaic_dynamo import compilation_counter
 from qaic_dynamo.cache import DiskCache, artifact_cache
 from qaic_dynamo.config import CompilationConfig
 from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM
-
-from harness import Driver
 
 HERE = Path(__file__).parent
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38, 46, 26, 43]]

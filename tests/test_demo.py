@@ -35,9 +35,8 @@ def test_demo_runs_and_matches_eager(model, graphs, compiled):
 
 
 def test_demo_prints_text_when_the_model_directory_has_a_tokenizer(tmp_path):
-    from transformers import LlamaConfig
-
     from test_sampling import tiny_tokenizer
+    from transformers import LlamaConfig
 
     tok = tiny_tokenizer()
     LlamaConfig(num_hidden_layers=2, vocab_size=len(tok), hidden_size=64, intermediate_size=128,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import Gemma2Config, LlamaConfig
 
-from qaic_dynamo import FROM_FORWARD_CONTEXT, LLM, compilation_counter
+from qaic_dynamo import FROM_FORWARD_CONTEXT, LLM
 from qaic_dynamo.engine import Request
 from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM, hf_model_from_config
 

@@ -15,7 +15,6 @@ import torch
 import torch.nn as nn
 
 from qaic_dynamo import LLM
-from qaic_dynamo.deploy.export import assemble as qexport_names
 from qaic_dynamo.deploy.export import (
     ExportError,
     ExportOptions,
@@ -28,7 +27,14 @@ from qaic_dynamo.deploy.export import (
     specializations,
     validate_kv_cache_prefix,
 )
-from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM, QaicMLAConfig, QaicMLAForCausalLM, hf_model_from_config
+from qaic_dynamo.deploy.export import assemble as qexport_names
+from qaic_dynamo.models import (
+    QaicLlamaConfig,
+    QaicLlamaForCausalLM,
+    QaicMLAConfig,
+    QaicMLAForCausalLM,
+    hf_model_from_config,
+)
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46], [35, 89, 7]]
 SHAPE = dict(batch_size=2, prefill_seq_len=8, ctx_len=32)

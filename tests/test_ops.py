@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import ref_causal_attention, ref_reshape_and_cache
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qaic_dynamo import build_attention_metadata, ops, set_forward_context
-
-from conftest import ref_causal_attention, ref_reshape_and_cache
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 INDEX_DTYPES = [torch.int32, torch.int64]
@@ -91,8 +90,8 @@ def _onnx_kv_cache_scatter(cache, slot_mapping, updates):
     import onnx
     import onnxruntime as ort
 
-    from qaic_dynamo.ops.onnx_functions import function_protos
     from qaic_dynamo.ops import QAIC_DOMAIN
+    from qaic_dynamo.ops.onnx_functions import function_protos
 
     elem = {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16}[cache.dtype]
     node = onnx.helper.make_node("KVCacheScatter", ["cache", "slot_mapping", "updates"], ["out"], domain=QAIC_DOMAIN)

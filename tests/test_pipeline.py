@@ -16,29 +16,25 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch._dynamo.exc import BackendCompilerFailed
 import torch.fx as fx
 import torch.nn as nn
-import torch.nn.functional as F
+from harness import Driver
+from torch._dynamo.exc import BackendCompilerFailed
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import qaic_dynamo
 from qaic_dynamo import build_attention_metadata, compilation_counter, ops, set_forward_context
-from qaic_dynamo.compiler import fingerprint as fingerprint_stage
 from qaic_dynamo.artifact import LAYOUT_FILE, LAYOUT_FORMAT, PieceLayout
-from qaic_dynamo.errors import ArtifactError
+from qaic_dynamo.cache import Source, artifact_cache
 from qaic_dynamo.compiler import QaicBackend, last_compile_report
-from qaic_dynamo.cache import DiskCache, Source, artifact_cache
+from qaic_dynamo.compiler import fingerprint as fingerprint_stage
 from qaic_dynamo.config import DEFAULT_SPLITTING_OPS, CompilationConfig
 from qaic_dynamo.counter import CompilationCounter
-from qaic_dynamo.lowering import LoweringError
+from qaic_dynamo.errors import ArtifactError, CacheLayoutError
 from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM
 from qaic_dynamo.ops import QAIC_OPS, OpRole, kv_cache_update_op, splitting_ops
-from qaic_dynamo.errors import CacheLayoutError
 from qaic_dynamo.runtime import PieceRunner
-
-from harness import Driver
 
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38, 46, 26, 43, 38]]
 

@@ -4,18 +4,18 @@ and gives what the whole-model compile and eager give."""
 from __future__ import annotations
 
 import re
+from contextlib import nullcontext
 
 import pytest
-from contextlib import nullcontext
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import qaic_dynamo
 from qaic_dynamo import LLM, compilation_counter
+from qaic_dynamo.compiler.regions import CompiledRegion, find_repeated_blocks, plan_regions
 from qaic_dynamo.config import ConfigError
 from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM, QaicMLAConfig, QaicMLAForCausalLM
-from qaic_dynamo.compiler.regions import CompiledRegion, find_repeated_blocks, plan_regions
 from qaic_dynamo.runtime import PieceRunner
 
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38, 46, 26, 43, 38]]

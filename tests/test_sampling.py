@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from qaic_dynamo import LLM, SamplingParams
-from qaic_dynamo.models import hf_model_from_config
 from qaic_dynamo.engine.sampling import Sampler
 from qaic_dynamo.errors import SamplingParamsError
+from qaic_dynamo.models import hf_model_from_config
 
 WORDS = [f"w{i}" for i in range(200)]
 

@@ -17,9 +17,6 @@ import pytest
 import torch
 
 from qaic_dynamo import LLM
-from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM, QaicMLAConfig, QaicMLAForCausalLM
-from qaic_dynamo.errors import SamplingParamsError
-from qaic_dynamo.deploy.serving.shm import SHM_PREFIX
 from qaic_dynamo.deploy.serving import (
     DisaggregatedServer,
     KVSliceError,
@@ -28,6 +25,9 @@ from qaic_dynamo.deploy.serving import (
     SharedKVBuffers,
     kv_buffer_names,
 )
+from qaic_dynamo.deploy.serving.shm import SHM_PREFIX
+from qaic_dynamo.errors import SamplingParamsError
+from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM, QaicMLAConfig, QaicMLAForCausalLM
 
 CTX = 256
 

@@ -42,9 +42,9 @@ import importlib.metadata
 import json
 import operator
 import types
-from pathlib import Path
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch

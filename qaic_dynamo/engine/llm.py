@@ -162,7 +162,8 @@ class LLM:
         if backend == "eager":
             self._fn = self.model
         elif backend == "qaic":
-            from qaic_dynamo.compiler import compile as compile_regions, specialized_floats
+            from qaic_dynamo.compiler import compile as compile_regions
+            from qaic_dynamo.compiler import specialized_floats
 
             if regional:
                 self._fn = compile_regions(self.model, **(compile_options or {}))

@@ -23,8 +23,8 @@ from qaic_dynamo.errors import LoweringError, SizeBranchError
 from qaic_dynamo.lowering.common import first_line
 from qaic_dynamo.lowering.prepare import PreparedPiece
 from qaic_dynamo.lowering.registry import onnx_registry, qaic_translations
-from qaic_dynamo.lowering.signatures import infer_op_signatures
 from qaic_dynamo.lowering.semantics import TORCH_SEMANTICS, open_sdpa
+from qaic_dynamo.lowering.signatures import infer_op_signatures
 from qaic_dynamo.lowering.size_guards import guards_not_implied
 
 __all__ = ["UNTRANSLATABLE_OP_FIXES", "lower_with_exporter"]

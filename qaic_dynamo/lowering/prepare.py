@@ -125,7 +125,7 @@ def sizes_from_tensors(rw: _Rewrite) -> None:
             rw.input_sources.append(["size", i])
             with g.inserting_before(rw.first_body):
                 size = g.call_function(torch.ops.aten.sym_size.int, (ph, 0))
-            ph.replace_all_uses_with(size, delete_user_cb=lambda user: user is not size)
+            ph.replace_all_uses_with(size, delete_user_cb=lambda user, size=size: user is not size)
             continue
         if ph.users:
             expr = a.node.expr

@@ -10,18 +10,17 @@ result.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from collections.abc import Callable
 from typing import Any
 
-import functools
-
 from qaic_dynamo._compat import torch_onnx_internals
 from qaic_dynamo.lowering.deferred import deferred_script_conversion
 from qaic_dynamo.lowering.semantics import TORCH_SEMANTICS
-from qaic_dynamo.ops import QAIC_OPS
 from qaic_dynamo.lowering.signatures import leave_uninferred, memoized_op_signatures
+from qaic_dynamo.ops import QAIC_OPS
 
 __all__ = ["build_onnx_registry", "decompositions", "onnx_registry", "qaic_translations"]
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from qaic_dynamo import _C  # noqa: F401  (loading the library registers the schemas)
+import qaic_dynamo.native  # noqa: F401  (loading the library registers the schemas)
 from qaic_dynamo.forward_context import FROM_FORWARD_CONTEXT
 from qaic_dynamo.ops import fake  # noqa: F401  (registers the fake kernels)
 from qaic_dynamo.ops.registry import (

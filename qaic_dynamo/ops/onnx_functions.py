@@ -33,9 +33,9 @@ from __future__ import annotations
 from typing import TypeVar, Union
 
 import onnxscript
+from onnx import defs
 from onnxscript import opset18 as op
 from onnxscript.onnx_types import BFLOAT16, FLOAT, FLOAT16, INT64
-from onnx import defs
 from onnxscript.values import Op, Opset
 
 from qaic_dynamo.ops.registry import QAIC_DOMAIN
@@ -43,7 +43,8 @@ from qaic_dynamo.ops.registry import QAIC_DOMAIN
 __all__ = ["CtxGather", "CtxScatter", "KVCacheScatter", "TRANSLATIONS", "function_protos", "kv_cache_scatter_node"]
 qaic_opset = Opset(QAIC_DOMAIN, 1)
 
-TFloat = TypeVar("TFloat", bound=Union[FLOAT, FLOAT16, BFLOAT16])
+# typing.Union, not ``|``: onnxscript's converter reads the bound and cannot read a types.UnionType.
+TFloat = TypeVar("TFloat", bound=Union[FLOAT, FLOAT16, BFLOAT16])  # noqa: UP007
 
 
 @onnxscript.script(qaic_opset, default_opset=op)

@@ -24,10 +24,10 @@ import onnxruntime as ort
 import torch
 import torch.fx as fx
 
-from qaic_dynamo import _C
 from qaic_dynamo._compat import pytree
 from qaic_dynamo.config import CompilationConfig
 from qaic_dynamo.errors import CacheLayoutError, EagerInstead, PieceRunError
+from qaic_dynamo.native import _C
 from qaic_dynamo.runtime.autograd import no_backward
 from qaic_dynamo.runtime.binding import CPU_DEVICE, MAX_SIZE_CARRIER, ONNX_ELEMENT_TYPES, SIZE_CARRIER_DTYPE
 from qaic_dynamo.runtime.fallback import warn_fallback

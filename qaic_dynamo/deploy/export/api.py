@@ -38,7 +38,14 @@ from qaic_dynamo.deploy.export.assemble import external_weights, name_dims, whol
 from qaic_dynamo.deploy.export.compiler_inputs import compile_command, custom_io_yaml, specializations
 from qaic_dynamo.deploy.export.layerwise import BLOCK_ANNOTATION, layerwise_model
 from qaic_dynamo.deploy.export.options import ExportOptions
-from qaic_dynamo.deploy.export.trace import Trace, block_signature, engine_model_of, model_identity, model_weights, trace_model
+from qaic_dynamo.deploy.export.trace import (
+    Trace,
+    block_signature,
+    engine_model_of,
+    model_identity,
+    model_weights,
+    trace_model,
+)
 from qaic_dynamo.errors import BlocksDiffer, ExportError
 from qaic_dynamo.models import batch_dependent_rope, max_positions, max_positions_text
 

@@ -8,7 +8,12 @@ import onnx
 import torch
 
 from qaic_dynamo.deploy.export.trace import Trace
-from qaic_dynamo.deploy.naming import RETAINED_STATE_SUFFIX, align_inputs_to_outputs, apply_kv_cache_prefix, retained_state_names
+from qaic_dynamo.deploy.naming import (
+    RETAINED_STATE_SUFFIX,
+    align_inputs_to_outputs,
+    apply_kv_cache_prefix,
+    retained_state_names,
+)
 from qaic_dynamo.errors import ExportError
 from qaic_dynamo.lowering import finish_model, translate_aten
 from qaic_dynamo.runtime import ONNX_ELEMENT_TYPES

@@ -13,7 +13,12 @@ from typing import Any
 
 import torch
 
-from qaic_dynamo.deploy.naming import align_inputs_to_outputs, apply_kv_cache_prefix, retained_state_names, validate_kv_cache_prefix
+from qaic_dynamo.deploy.naming import (
+    align_inputs_to_outputs,
+    apply_kv_cache_prefix,
+    retained_state_names,
+    validate_kv_cache_prefix,
+)
 from qaic_dynamo.errors import KVSliceError
 from qaic_dynamo.ops import QAIC_OPS
 

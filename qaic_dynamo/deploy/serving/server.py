@@ -20,7 +20,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-
 from qaic_dynamo.deploy.serving.kv_slices import kv_buffer_names
 from qaic_dynamo.deploy.serving.shm import SharedKVBuffers
 from qaic_dynamo.deploy.serving.transports import TRANSPORTS

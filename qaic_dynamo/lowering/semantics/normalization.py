@@ -18,7 +18,9 @@ def layer_norm_in_float32(x: Any, shape: Any, weight: Any = None, bias: Any = No
     float16 LayerNorm piece ran eagerly."""
     if x.dtype not in (torch.float16, torch.bfloat16):
         return NotImplemented
-    widen = (lambda t: t.float() if t is not None else None)
+    def widen(t: Any) -> Any:
+        return t.float() if t is not None else None
+
     out, mean, rstd = _aten.native_layer_norm.default(x.float(), shape, widen(weight), widen(bias), eps)
     return out.to(x.dtype), mean.to(x.dtype), rstd.to(x.dtype)
 
