@@ -69,11 +69,19 @@ def main() -> None:
     layers, hidden = (4, 128) if args.quick else (args.layers, args.hidden_size)
     repeats = 2 if args.quick else 5
     torch.manual_seed(0)
-    cfg = QaicLlamaConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                          num_attention_heads=max(2, hidden // 64), num_key_value_heads=max(1, hidden // 256))
+    cfg = QaicLlamaConfig(
+        vocab_size=4096,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(2, hidden // 64),
+        num_key_value_heads=max(1, hidden // 256),
+    )
     model = QaicLlamaForCausalLM(cfg).eval()
-    print(f"model: {layers} layers, hidden {hidden}, {cfg.num_attention_heads} heads / {cfg.num_key_value_heads} kv heads",
-          flush=True)
+    print(
+        f"model: {layers} layers, hidden {hidden}, {cfg.num_attention_heads} heads / {cfg.num_key_value_heads} kv heads",
+        flush=True,
+    )
 
     # -- cold compile ------------------------------------------------------------------------
     prompts = [37, 64, 20, 90]
@@ -103,8 +111,11 @@ def main() -> None:
     }
     reuse_s = sum(p.seconds for p in rep.pieces if p.source is Source.MEMORY)  # lookups + runner creation
     fp_share = (rep.seconds["fingerprint"] + reuse_s) / (first_call - warm_call)
-    print(f"cold compile {first_call - warm_call:.2f}s: {len(rep.pieces)} pieces, {len(unique)} compiled, "
-          f"{rep.reused} reused", flush=True)
+    print(
+        f"cold compile {first_call - warm_call:.2f}s: {len(rep.pieces)} pieces, {len(unique)} compiled, "
+        f"{rep.reused} reused",
+        flush=True,
+    )
     for name, s in stages.items():
         print(f"  {name:<52} {s:8.3f} s")
     steps = ("prepare", "aten_trace", "translate", "checks", "save")
@@ -112,10 +123,16 @@ def main() -> None:
     for p in unique:
         sec = json.loads((Path(p.artifact) / "layout.json").read_text())["stats"].get("seconds", {})
         split_rows.append([p.index, p.key] + [sec.get(k, 0.0) * 1e3 for k in steps] + [p.load_seconds * 1e3])
-        print(f"  piece {p.index:>2} ({p.key}): " + ", ".join(f"{k} {sec.get(k, 0.0) * 1e3:.0f} ms" for k in steps)
-              + f", session {p.load_seconds * 1e3:.1f} ms")
-    print(f"fingerprint + reuse = {fp_share * 100:.2f}% of cold compile (target < 5%): "
-          + ("met" if fp_share < 0.05 else "MISSED"), flush=True)
+        print(
+            f"  piece {p.index:>2} ({p.key}): "
+            + ", ".join(f"{k} {sec.get(k, 0.0) * 1e3:.0f} ms" for k in steps)
+            + f", session {p.load_seconds * 1e3:.1f} ms"
+        )
+    print(
+        f"fingerprint + reuse = {fp_share * 100:.2f}% of cold compile (target < 5%): "
+        + ("met" if fp_share < 0.05 else "MISSED"),
+        flush=True,
+    )
 
     # -- per-call overhead of one middle piece -------------------------------------------------
     captured = {}
@@ -132,9 +149,12 @@ def main() -> None:
     with torch.no_grad(), set_forward_context(md, decode.caches, model.kv_cache_layers) as ctx:
         t_runner, t_bare, t_eager = piece_call_costs(middle, captured["args"], ctx, repeats)
     overhead = t_runner - t_bare
-    print(f"middle piece, decode batch of {len(prompts)}: runner {t_runner * 1e6:.1f} us = ORT run {t_bare * 1e6:.1f} us "
-          f"+ binding/dispatch {overhead * 1e6:.1f} us ({overhead / t_runner * 100:.0f}%); "
-          f"eager PyTorch {t_eager * 1e6:.1f} us", flush=True)
+    print(
+        f"middle piece, decode batch of {len(prompts)}: runner {t_runner * 1e6:.1f} us = ORT run {t_bare * 1e6:.1f} us "
+        f"+ binding/dispatch {overhead * 1e6:.1f} us ({overhead / t_runner * 100:.0f}%); "
+        f"eager PyTorch {t_eager * 1e6:.1f} us",
+        flush=True,
+    )
 
     # -- decode step versus KV capacity --------------------------------------------------------
     cap = {}
@@ -151,8 +171,10 @@ def main() -> None:
                     times.append(time.perf_counter() - t0)
         cap[f"{mult}x"] = statistics.median(times[1:] if len(times) > 1 else times)
         kv_mib = 2 * len(b.caches) * b.caches[model.kv_cache_layers[0]][0].numel() * 4 / 2**20
-        print(f"decode step at {mult}x capacity ({kv_mib:.0f} MiB of KV): {cap[f'{mult}x'] * 1e3:.2f} ms (median)",
-              flush=True)
+        print(
+            f"decode step at {mult}x capacity ({kv_mib:.0f} MiB of KV): {cap[f'{mult}x'] * 1e3:.2f} ms (median)",
+            flush=True,
+        )
     ratio = cap["8x"] / cap["1x"]
     print(f"decode 8x / 1x capacity: {ratio:.2f}")
 
@@ -160,21 +182,41 @@ def main() -> None:
     md_out += "\n" + markdown_table(["piece", "key"] + [f"{k} (ms)" for k in steps] + ["session (ms)"], split_rows)
     md_out += "\n" + markdown_table(
         ["measure", "value"],
-        [["fingerprint + reuse share of cold compile", f"{fp_share * 100:.2f}%"],
-         ["middle piece runner (us)", t_runner * 1e6], ["ORT run alone (us)", t_bare * 1e6],
-         ["binding + dispatch (us)", overhead * 1e6], ["eager PyTorch piece (us)", t_eager * 1e6],
-         ["decode step 1x capacity (ms)", cap["1x"] * 1e3], ["decode step 8x capacity (ms)", cap["8x"] * 1e3],
-         ["8x / 1x", ratio]])
+        [
+            ["fingerprint + reuse share of cold compile", f"{fp_share * 100:.2f}%"],
+            ["middle piece runner (us)", t_runner * 1e6],
+            ["ORT run alone (us)", t_bare * 1e6],
+            ["binding + dispatch (us)", overhead * 1e6],
+            ["eager PyTorch piece (us)", t_eager * 1e6],
+            ["decode step 1x capacity (ms)", cap["1x"] * 1e3],
+            ["decode step 8x capacity (ms)", cap["8x"] * 1e3],
+            ["8x / 1x", ratio],
+        ],
+    )
     path = save_results(
         "backend_stages" + ("_quick" if args.quick else ""),
-        {"layers": layers, "hidden": hidden, "stages": stages, "fingerprint_reuse_share": fp_share,
-         "unique_pieces": [{"index": p.index, "key": p.key, "export_s": p.compile_seconds, "session_s": p.load_seconds}
-                           for p in unique],
-         "lowering_split_ms": [dict(zip(["index", "key", *steps, "session"], row)) for row in split_rows],
-         "piece_call_us": {"runner": t_runner * 1e6, "ort_run": t_bare * 1e6, "overhead": overhead * 1e6,
-                           "eager": t_eager * 1e6},
-         "decode_step_ms": {k: v * 1e3 for k, v in cap.items()}, "decode_8x_over_1x": ratio},
-        md_out, args.results_dir)
+        {
+            "layers": layers,
+            "hidden": hidden,
+            "stages": stages,
+            "fingerprint_reuse_share": fp_share,
+            "unique_pieces": [
+                {"index": p.index, "key": p.key, "export_s": p.compile_seconds, "session_s": p.load_seconds}
+                for p in unique
+            ],
+            "lowering_split_ms": [dict(zip(["index", "key", *steps, "session"], row)) for row in split_rows],
+            "piece_call_us": {
+                "runner": t_runner * 1e6,
+                "ort_run": t_bare * 1e6,
+                "overhead": overhead * 1e6,
+                "eager": t_eager * 1e6,
+            },
+            "decode_step_ms": {k: v * 1e3 for k, v in cap.items()},
+            "decode_8x_over_1x": ratio,
+        },
+        md_out,
+        args.results_dir,
+    )
     print(f"wrote {path}")
 
 

@@ -69,14 +69,20 @@ def child(method: str, layers: int, hidden: int, vocab: int) -> dict:
     from qaic_dynamo.demo import DEFAULT_LLAMA
     from qaic_dynamo.models import hf_config, hf_model_from_config
 
-    cfg = dict(DEFAULT_LLAMA, num_hidden_layers=layers, hidden_size=hidden, vocab_size=vocab,
-               intermediate_size=hidden * 11 // 4)
+    cfg = dict(
+        DEFAULT_LLAMA,
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        intermediate_size=hidden * 11 // 4,
+    )
     model = hf_model_from_config(hf_config(cfg))
     ids = torch.randint(0, vocab, (64,))
     pos = torch.cat([torch.arange(32), torch.arange(32)])
     result = {"method": method, "layers": layers}
 
     if method == "onnx":
+
         class Logits(torch.nn.Module):  # plain transformers forward, logits only, no cache
             def __init__(self, m):
                 super().__init__()
@@ -86,16 +92,23 @@ def child(method: str, layers: int, hidden: int, vocab: int) -> dict:
                 return self.m(input_ids=input_ids, use_cache=False).logits
 
         t0 = time.perf_counter()
-        torch.onnx.export(Logits(model).eval(), (ids.unsqueeze(0),), dynamo=True, optimize=False, verbose=False,
-                          dynamic_shapes=({1: torch.export.Dim.DYNAMIC},))
+        torch.onnx.export(
+            Logits(model).eval(),
+            (ids.unsqueeze(0),),
+            dynamo=True,
+            optimize=False,
+            verbose=False,
+            dynamic_shapes=({1: torch.export.Dim.DYNAMIC},),
+        )
         result.update(first_call_s=time.perf_counter() - t0, backend_s=None, dynamo_s=None)
         return result
 
     from qaic_dynamo import build_attention_metadata, compilation_counter, set_forward_context
     from qaic_dynamo.engine import LLM
 
-    llm = LLM(model, backend="eager", layer_agnostic_kv_update=(method != "per-layer"), max_num_seqs=2,
-              max_model_len=64)
+    llm = LLM(
+        model, backend="eager", layer_agnostic_kv_update=(method != "per-layer"), max_num_seqs=2, max_model_len=64
+    )
     backend_s = [0.0]
     qaic_methods = ("qaic", "per-layer", "regional", "warm")
 
@@ -105,6 +118,7 @@ def child(method: str, layers: int, hidden: int, vocab: int) -> dict:
             out = inner(gm, example_inputs)
             backend_s[0] += time.perf_counter() - t
             return out
+
         return backend
 
     if method in ("regional", "warm"):
@@ -114,9 +128,11 @@ def child(method: str, layers: int, hidden: int, vocab: int) -> dict:
     else:
         if method in ("qaic", "per-layer"):
             from qaic_dynamo.compiler import qaic_backend
+
             inner = qaic_backend
         elif method == "inductor":
             from torch._inductor.compile_fx import compile_fx
+
             inner = compile_fx
         else:
             inner = lambda gm, ex: gm.forward  # noqa: E731  Dynamo alone
@@ -155,7 +171,9 @@ def child(method: str, layers: int, hidden: int, vocab: int) -> dict:
 
         backend_s[0] = sum(r.seconds["total"] for r in compile_reports())
     result.update(
-        first_call_s=first, backend_s=backend_s[0], run_s=run,
+        first_call_s=first,
+        backend_s=backend_s[0],
+        run_s=run,
         compile_s=first - run,  # the first call less one forward: what compiling added
         gc_s=sum(end - start for start, end, _ in collections if end is not None),
         full_collections=sum(1 for c in collections if c[2] == 2),
@@ -182,12 +200,26 @@ def run_child(method: str, layers: int, hidden: int, vocab: int, timeout: float)
     with tempfile.TemporaryDirectory(prefix="qaic-cold-") as tmp:
         env = dict(os.environ)
         env.update(
-            TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor", TRITON_CACHE_DIR=f"{tmp}/triton",
-            QAIC_DYNAMO_CACHE_DIR=f"{tmp}/qaic", XDG_CACHE_HOME=f"{tmp}/xdg", TMPDIR=tmp,
+            TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor",
+            TRITON_CACHE_DIR=f"{tmp}/triton",
+            QAIC_DYNAMO_CACHE_DIR=f"{tmp}/qaic",
+            XDG_CACHE_HOME=f"{tmp}/xdg",
+            TMPDIR=tmp,
         )
+
         def cmd(m):
-            return [sys.executable, __file__, "--child", m, "--layers", str(layers), "--hidden-size", str(hidden),
-                    "--vocab", str(vocab)]
+            return [
+                sys.executable,
+                __file__,
+                "--child",
+                m,
+                "--layers",
+                str(layers),
+                "--hidden-size",
+                str(hidden),
+                "--vocab",
+                str(vocab),
+            ]
 
         if method == "warm":  # a first process fills the cache; the measured one restarts
             first = subprocess.run(cmd("regional"), env=env, capture_output=True, text=True, timeout=timeout)
@@ -213,19 +245,32 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="depths 2 and 8, one repeat")
     ap.add_argument("--smoke", action="store_true", help="tiny model, depths 1 and 2 (tests)")
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32, 64, 128])
-    ap.add_argument("--expensive-layers", type=int, nargs="+", default=[32],
-                    help="depths at which per-layer, inductor and onnx are measured")
+    ap.add_argument(
+        "--expensive-layers",
+        type=int,
+        nargs="+",
+        default=[32],
+        help="depths at which per-layer, inductor and onnx are measured",
+    )
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--expensive-repeats", type=int, default=None,
-                    help="repeats for per-layer, inductor and onnx (default: --repeats)")
+    ap.add_argument(
+        "--expensive-repeats",
+        type=int,
+        default=None,
+        help="repeats for per-layer, inductor and onnx (default: --repeats)",
+    )
     ap.add_argument("--hidden-size", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--results-dir", type=Path, default=None)
     ap.add_argument("--tag", default="", help="suffix for the result files (e.g. 'warm')")
-    ap.add_argument("--merge", type=Path, default=None,
-                    help="an earlier result JSON whose samples are added; a (method, depth) measured now keeps the new samples")
+    ap.add_argument(
+        "--merge",
+        type=Path,
+        default=None,
+        help="an earlier result JSON whose samples are added; a (method, depth) measured now keeps the new samples",
+    )
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.layers[0], args.hidden_size, args.vocab)))
@@ -239,9 +284,11 @@ def main() -> None:
         layers, repeats, expensive_layers = [2, 8], 1, {8}
     if args.smoke:
         layers, repeats, hidden, vocab, expensive_layers = [1, 2], 1, 64, 512, {2}
-    print(f"cold start: layers {layers}, methods {args.methods}, hidden {hidden}, vocab {vocab}, median of "
-          f"{repeats} fresh process(es) each ({args.expensive_repeats or repeats} for per-layer, inductor, onnx)",
-          flush=True)
+    print(
+        f"cold start: layers {layers}, methods {args.methods}, hidden {hidden}, vocab {vocab}, median of "
+        f"{repeats} fresh process(es) each ({args.expensive_repeats or repeats} for per-layer, inductor, onnx)",
+        flush=True,
+    )
     samples: dict[str, dict[int, list[dict]]] = {m: {L: [] for L in layers} for m in args.methods}
     expensive = EXPENSIVE
     exp_repeats = args.expensive_repeats if args.expensive_repeats is not None else repeats
@@ -255,10 +302,15 @@ def main() -> None:
                 samples[m][L].append(s)
                 extra = ""
                 if m in ("qaic", "per-layer", "warm", "regional"):
-                    extra = (f", {s['graphs']} graphs, {s['unique_pieces']} lowered, {s['disk_hits']} from disk, "
-                             f"{s['exporter_fallbacks']} exporter fallbacks")
-                print(f"  [{r + 1}] {m:>9} L={L:<3} first call {s['first_call_s']:7.2f} s"
-                      f"{extra} (process {time.perf_counter() - t0:.0f} s)", flush=True)
+                    extra = (
+                        f", {s['graphs']} graphs, {s['unique_pieces']} lowered, {s['disk_hits']} from disk, "
+                        f"{s['exporter_fallbacks']} exporter fallbacks"
+                    )
+                print(
+                    f"  [{r + 1}] {m:>9} L={L:<3} first call {s['first_call_s']:7.2f} s"
+                    f"{extra} (process {time.perf_counter() - t0:.0f} s)",
+                    flush=True,
+                )
 
     methods = list(args.methods)
     if args.merge is not None:  # e.g. add a separate warm-start run to the full run
@@ -289,22 +341,44 @@ def main() -> None:
         w = samples.get("warm", {}).get(L)
         row.append(median_of(w, "onnx_exports") if w else "-")
         rows.append(row)
-    table = markdown_table(["layers"] + [f"{m} (s)" for m in methods]
-                           + ["regional graphs / pieces lowered", "qaic graphs / pieces lowered", "warm ONNX exports"], rows)
+    table = markdown_table(
+        ["layers"]
+        + [f"{m} (s)" for m in methods]
+        + ["regional graphs / pieces lowered", "qaic graphs / pieces lowered", "warm ONNX exports"],
+        rows,
+    )
     split_rows = []
     for m in ("regional", "qaic", "warm", "per-layer", "inductor", "floor"):
         if m in samples:
             for L in layers:
                 if samples[m][L]:
-                    split_rows.append([m, L, median_of(samples[m][L], "dynamo_s"), median_of(samples[m][L], "backend_s"),
-                                       median_of(samples[m][L], "run_s"),
-                                       _or_dash(median_of(samples[m][L], "gc_s")),
-                                       _or_dash(median_of(samples[m][L], "full_collections")),
-                                       median_of(samples[m][L], "median_piece_lowering_s") or "-"])
+                    split_rows.append(
+                        [
+                            m,
+                            L,
+                            median_of(samples[m][L], "dynamo_s"),
+                            median_of(samples[m][L], "backend_s"),
+                            median_of(samples[m][L], "run_s"),
+                            _or_dash(median_of(samples[m][L], "gc_s")),
+                            _or_dash(median_of(samples[m][L], "full_collections")),
+                            median_of(samples[m][L], "median_piece_lowering_s") or "-",
+                        ]
+                    )
     # The first call also runs the model once: the second call's time says how much of a
     # first call's growth with depth is the forward itself, not compilation.
-    split_table = markdown_table(["method", "layers", "Dynamo trace (s)", "backend (s)", "second call (s)",
-                                  "GC in first call (s)", "full collections", "median piece lowering (s)"], split_rows)
+    split_table = markdown_table(
+        [
+            "method",
+            "layers",
+            "Dynamo trace (s)",
+            "backend (s)",
+            "second call (s)",
+            "GC in first call (s)",
+            "full collections",
+            "median piece lowering (s)",
+        ],
+        split_rows,
+    )
 
     # The targets are stated at 2, 32 and 128 layers; a run without a depth skips its rows.
     figures, verdicts = {}, {}
@@ -325,14 +399,22 @@ def main() -> None:
     figure("vs_floor", div(at("regional", 32), at("floor", 32)))
     figure("inductor", div(at("inductor", 32), at("regional", 32)))
     figure("per_layer", div(at("per-layer", 32), at("regional", 32)))
-    lowered = [t for m in ("regional", "qaic") for by_l in samples.get(m, {}).values() for s in by_l
-               for t in s.get("piece_lowering_s", [])]
+    lowered = [
+        t
+        for m in ("regional", "qaic")
+        for by_l in samples.get(m, {}).values()
+        for s in by_l
+        for t in s.get("piece_lowering_s", [])
+    ]
     figure("piece", statistics.median(lowered) if lowered else None)
     if at("qaic", 32) is not None and at("floor", 32) is not None:
         figure("backend", at("qaic", 32) - at("floor", 32))
     figure("warm", at("warm", 32))
-    ratio_lines = [f"{TARGETS[k][0].split(' <=')[0].split(' >=')[0]:<45} {v:7.2f}   target {TARGETS[k][0]}: "
-                   f"{'met' if verdicts[k] else 'MISSED'}" for k, v in figures.items()]
+    ratio_lines = [
+        f"{TARGETS[k][0].split(' <=')[0].split(' >=')[0]:<45} {v:7.2f}   target {TARGETS[k][0]}: "
+        f"{'met' if verdicts[k] else 'MISSED'}"
+        for k, v in figures.items()
+    ]
     ratios = figures
     # Not targets: the same depth ratios with the forward (the second call's time) and the
     # cyclic collector's pauses taken out of each sample. A full collection costs about the
@@ -340,25 +422,50 @@ def main() -> None:
     # allocation count crosses its threshold, inside the first call or just after it.
     diag = {}
     for name, key in (("compile", "compile_s"), ("compile less GC", "compile_less_gc_s")):
+
         def mid(m, L, key=key):
-            vals = [(s["compile_s"] - s["gc_s"]) if key == "compile_less_gc_s" else s["compile_s"]
-                    for s in samples.get(m, {}).get(L, []) if s.get("compile_s") is not None and s.get("gc_s") is not None]
+            vals = [
+                (s["compile_s"] - s["gc_s"]) if key == "compile_less_gc_s" else s["compile_s"]
+                for s in samples.get(m, {}).get(L, [])
+                if s.get("compile_s") is not None and s.get("gc_s") is not None
+            ]
             return statistics.median(vals) if vals else None
+
         for deep in (32, 128):
             v = div(mid("regional", deep), mid("regional", 2))
             if v is not None:
                 diag[f"{name}: regional({deep})/regional(2)"] = v
     ratio_lines += [f"{k:<45} {v:7.2f}   (diagnostic, not a target)" for k, v in diag.items()]
-    md = ("### Cold start: seconds from the first compiled call to its first output (median)\n\n" + table +
-          "\n### Where the time goes (median)\n\n" + split_table + "\n### Targets (issue 10)\n\n```\n" + "\n".join(ratio_lines) +
-          "\n```\n")
+    md = (
+        "### Cold start: seconds from the first compiled call to its first output (median)\n\n"
+        + table
+        + "\n### Where the time goes (median)\n\n"
+        + split_table
+        + "\n### Targets (issue 10)\n\n```\n"
+        + "\n".join(ratio_lines)
+        + "\n```\n"
+    )
     print("\n" + md)
     suffix = ("_smoke" if args.smoke else ("_quick" if args.quick else "")) + (f"_{args.tag}" if args.tag else "")
     out_dir = args.results_dir
-    path = save_results(f"cold_start{suffix}", {
-        "layers": layers, "methods": methods, "repeats": repeats, "expensive_repeats": exp_repeats, "hidden": hidden, "vocab": vocab,
-        "median_first_call_s": med, "ratios": ratios, "targets_met": verdicts, "diagnostics": diag,
-        "samples": samples}, md, out_dir)
+    path = save_results(
+        f"cold_start{suffix}",
+        {
+            "layers": layers,
+            "methods": methods,
+            "repeats": repeats,
+            "expensive_repeats": exp_repeats,
+            "hidden": hidden,
+            "vocab": vocab,
+            "median_first_call_s": med,
+            "ratios": ratios,
+            "targets_met": verdicts,
+            "diagnostics": diag,
+            "samples": samples,
+        },
+        md,
+        out_dir,
+    )
     plot(med, layers, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
 

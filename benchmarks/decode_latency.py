@@ -52,8 +52,13 @@ def build(layers: int, hidden: int, vocab: int):
     from qaic_dynamo.demo import DEFAULT_LLAMA
     from qaic_dynamo.models import hf_config, hf_model_from_config
 
-    cfg = dict(DEFAULT_LLAMA, num_hidden_layers=layers, hidden_size=hidden, vocab_size=vocab,
-               intermediate_size=hidden * 11 // 4)
+    cfg = dict(
+        DEFAULT_LLAMA,
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        intermediate_size=hidden * 11 // 4,
+    )
     return hf_model_from_config(hf_config(cfg))
 
 
@@ -68,8 +73,9 @@ def case_batch(llm, kind: str, batch: int) -> Iterator[list]:
             if kind == "prefill":
                 r = Request(i, [7] * CONTEXT, max_new_tokens=1)
             else:  # decoding the 128th token: 127 cached + this one
-                r = Request(i, [7] * (CONTEXT - 1), max_new_tokens=8, output_token_ids=[9],
-                            num_computed_tokens=CONTEXT - 1)
+                r = Request(
+                    i, [7] * (CONTEXT - 1), max_new_tokens=8, output_token_ids=[9], num_computed_tokens=CONTEXT - 1
+                )
             if not llm.reserve_blocks(r):
                 raise RuntimeError(f"{kind} x{batch}: the engine has only {llm.num_free_blocks} free KV blocks")
             requests.append(r)
@@ -85,13 +91,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden-size", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--backends", nargs="+", choices=list(BACKENDS),
-                    default=["qaic", "qaic-whole", "qaic-dynamo-entry", "qaic-spin", "qaic-whole-spin", "eager",
-                             "inductor"],
-                    help="qaic = regional (LLM's default), qaic-whole = regional=False; qaic-dynamo-entry: "
-                         "regional, every block call entering through torch.compile's wrapper "
-                         "(region_dispatch='dynamo'); -spin: without releasing PyTorch's OpenMP workers "
-                         "before each ONNX Runtime run")
+    ap.add_argument(
+        "--backends",
+        nargs="+",
+        choices=list(BACKENDS),
+        default=["qaic", "qaic-whole", "qaic-dynamo-entry", "qaic-spin", "qaic-whole-spin", "eager", "inductor"],
+        help="qaic = regional (LLM's default), qaic-whole = regional=False; qaic-dynamo-entry: "
+        "regional, every block call entering through torch.compile's wrapper "
+        "(region_dispatch='dynamo'); -spin: without releasing PyTorch's OpenMP workers "
+        "before each ONNX Runtime run",
+    )
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--results-dir", type=Path, default=None)
     args = ap.parse_args()
@@ -103,8 +112,10 @@ def main() -> None:
         layers, hidden, vocab, repeats = 2, 64, 512, 2
     model = build(layers, hidden, vocab)
     cases = [("prefill b1x128", "prefill", 1), ("decode b1", "decode", 1), ("decode b8", "decode", 8)]
-    print(f"model: {layers} layers, hidden {hidden}, vocab {vocab}; median of {repeats} interleaved timing rounds",
-          flush=True)
+    print(
+        f"model: {layers} layers, hidden {hidden}, vocab {vocab}; median of {repeats} interleaved timing rounds",
+        flush=True,
+    )
 
     engines, reports = {}, {}
     for backend in args.backends:  # compile and warm up every configuration first
@@ -132,8 +143,13 @@ def main() -> None:
 
     rows = [[name] + [results[b][name] * 1e3 for b in args.backends] for name, _, _ in cases]
     md = "### Step latency, ms (median)\n\n" + markdown_table(["case"] + [f"{b} (ms)" for b in args.backends], rows)
-    payload = {"layers": layers, "hidden": hidden, "vocab": vocab, "repeats": repeats,
-               "step_ms": {b: {k: v * 1e3 for k, v in r.items()} for b, r in results.items()}}
+    payload = {
+        "layers": layers,
+        "hidden": hidden,
+        "vocab": vocab,
+        "repeats": repeats,
+        "step_ms": {b: {k: v * 1e3 for k, v in r.items()} for b, r in results.items()},
+    }
 
     if "qaic" in engines and "eager" in results:
         ratio = results["qaic"]["decode b8"] / results["eager"]["decode b8"]
@@ -145,16 +161,22 @@ def main() -> None:
     if "qaic" in results and "qaic-whole" in results:
         entry = {name: (results["qaic"][name] - results["qaic-whole"][name]) / layers for name, _, _ in cases}
         payload["region_entry_us_per_layer"] = {k: v * 1e6 for k, v in entry.items()}
-        line = "entering a compiled region, per layer and step: " + ", ".join(
-            f"{k} {v * 1e6:+.0f} us" for k, v in entry.items()) + " (regional - whole, / layers)"
+        line = (
+            "entering a compiled region, per layer and step: "
+            + ", ".join(f"{k} {v * 1e6:+.0f} us" for k, v in entry.items())
+            + " (regional - whole, / layers)"
+        )
         print(line)
         md += "\n" + line + "\n"
 
     if "qaic" in results and "qaic-dynamo-entry" in results:
         saved = {name: (results["qaic-dynamo-entry"][name] - results["qaic"][name]) / layers for name, _, _ in cases}
         payload["guarded_dispatch_saves_us_per_layer"] = {k: v * 1e6 for k, v in saved.items()}
-        line = ("guarded region dispatch saves, per layer and step: " + ", ".join(
-            f"{k} {v * 1e6:+.0f} us" for k, v in saved.items()) + " (qaic-dynamo-entry - qaic, / layers)")
+        line = (
+            "guarded region dispatch saves, per layer and step: "
+            + ", ".join(f"{k} {v * 1e6:+.0f} us" for k, v in saved.items())
+            + " (qaic-dynamo-entry - qaic, / layers)"
+        )
         print(line)
         md += "\n" + line + "\n"
 
@@ -162,8 +184,10 @@ def main() -> None:
         if on in results and off in results:
             gain = {name: results[off][name] / results[on][name] for name, _, _ in cases}
             payload.setdefault("openmp_release_speedup", {})[on] = gain
-            line = (f"{on}: releasing PyTorch's OpenMP workers before each ONNX Runtime run, step time without / with: "
-                    + ", ".join(f"{k} {v:.2f}x" for k, v in gain.items()))
+            line = (
+                f"{on}: releasing PyTorch's OpenMP workers before each ONNX Runtime run, step time without / with: "
+                + ", ".join(f"{k} {v:.2f}x" for k, v in gain.items())
+            )
             print(line)
             md += "\n" + line + "\n"
 
@@ -184,25 +208,39 @@ def main() -> None:
             with torch.no_grad(), set_forward_context(md_, llm.kv_caches, llm.kv_cache_layers) as ctx:
                 t_runner, t_bare, t_eager = piece_call_costs(middle, captured["args"], ctx, repeats)
         over = t_runner - t_bare
-        payload["middle_piece_us"] = {"runner": t_runner * 1e6, "ort_run": t_bare * 1e6,
-                                      "binding_dispatch": over * 1e6, "eager": t_eager * 1e6}
-        line = (f"cache-update piece at decode b8: runner {t_runner * 1e6:.0f} us = ORT {t_bare * 1e6:.0f} us + "
-                f"binding/dispatch {over * 1e6:.0f} us ({over / t_runner * 100:.0f}%); eager piece {t_eager * 1e6:.0f} us")
+        payload["middle_piece_us"] = {
+            "runner": t_runner * 1e6,
+            "ort_run": t_bare * 1e6,
+            "binding_dispatch": over * 1e6,
+            "eager": t_eager * 1e6,
+        }
+        line = (
+            f"cache-update piece at decode b8: runner {t_runner * 1e6:.0f} us = ORT {t_bare * 1e6:.0f} us + "
+            f"binding/dispatch {over * 1e6:.0f} us ({over / t_runner * 100:.0f}%); eager piece {t_eager * 1e6:.0f} us"
+        )
         print(line)
         md += "\n" + line + "\n"
 
         # Capacity: same live tokens, 8x the blocks.
         cap = {}
         for mult in (1, 8):
-            e = LLM(model, backend="qaic", max_num_seqs=8, max_model_len=CONTEXT + 8, block_size=16,
-                    num_blocks=8 * mult * (-(-(CONTEXT + 8) // 16)))
+            e = LLM(
+                model,
+                backend="qaic",
+                max_num_seqs=8,
+                max_model_len=CONTEXT + 8,
+                block_size=16,
+                num_blocks=8 * mult * (-(-(CONTEXT + 8) // 16)),
+            )
             with case_batch(e, "decode", 8) as b:
                 e.execute_model(b)
                 cap[f"{mult}x"] = median_seconds(lambda: e.execute_model(b), repeats)
         payload["capacity_decode_b8_ms"] = {k: v * 1e3 for k, v in cap.items()}
         payload["capacity_8x_over_1x"] = cap["8x"] / cap["1x"]
-        line = (f"decode b8 at 1x / 8x KV capacity: {cap['1x'] * 1e3:.2f} / {cap['8x'] * 1e3:.2f} ms "
-                f"(ratio {cap['8x'] / cap['1x']:.2f})")
+        line = (
+            f"decode b8 at 1x / 8x KV capacity: {cap['1x'] * 1e3:.2f} / {cap['8x'] * 1e3:.2f} ms "
+            f"(ratio {cap['8x'] / cap['1x']:.2f})"
+        )
         print(line)
         md += line + "\n"
 

@@ -34,8 +34,13 @@ def build(layers: int, hidden: int, vocab: int):
     from qaic_dynamo.demo import DEFAULT_LLAMA
     from qaic_dynamo.models import hf_config, hf_model_from_config
 
-    cfg = dict(DEFAULT_LLAMA, num_hidden_layers=layers, hidden_size=hidden, vocab_size=vocab,
-               intermediate_size=hidden * 11 // 4)
+    cfg = dict(
+        DEFAULT_LLAMA,
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        intermediate_size=hidden * 11 // 4,
+    )
     return hf_model_from_config(hf_config(cfg))
 
 
@@ -73,15 +78,21 @@ def colocated(model, prompts, max_tokens, slots: int, ctx: int, backend: str) ->
             llm.release_blocks(r)
     wall = time.perf_counter() - start
     t = sorted(ttft.values())
-    return {"ttft_median_s": statistics.median(t), "ttft_p90_s": t[int(0.9 * (len(t) - 1))],
-            "decode_tokens_per_s": decode_tokens / wall, "kv_bytes_per_handoff": 0.0, "wall_s": wall}
+    return {
+        "ttft_median_s": statistics.median(t),
+        "ttft_p90_s": t[int(0.9 * (len(t) - 1))],
+        "decode_tokens_per_s": decode_tokens / wall,
+        "kv_bytes_per_handoff": 0.0,
+        "wall_s": wall,
+    }
 
 
 def disaggregated(model, prompts, max_tokens, slots: int, ctx: int, backend: str, transport: str) -> dict:
     from qaic_dynamo.deploy.serving import DisaggregatedServer, summarize
 
-    with DisaggregatedServer(model, decode_slots=slots, ctx_len=ctx, chunk_size=64, transport=transport,
-                             backend=backend) as server:
+    with DisaggregatedServer(
+        model, decode_slots=slots, ctx_len=ctx, chunk_size=64, transport=transport, backend=backend
+    ) as server:
         server.generate([prompts[0][:4]], 2)  # warm-up: both workers compile
         results = server.generate(prompts, max_tokens)
         for r in results:
@@ -117,22 +128,47 @@ def main() -> None:
                 transport = {"slicing": "shm", "copying": "copy", "gloo": "gloo"}[m]
                 r = disaggregated(model, prompts, max_tokens, args.slots, ctx, args.backend, transport)
             runs[m].append(r)
-            print(f"  [{rep + 1}] {m:>9}: TTFT median {r['ttft_median_s'] * 1e3:7.1f} ms, p90 {r['ttft_p90_s'] * 1e3:7.1f} ms, "
-                  f"decode {r['decode_tokens_per_s']:7.1f} tok/s, KV moved per hand-off {r['kv_bytes_per_handoff']:,.0f} B",
-                  flush=True)
-    med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0] if isinstance(rs[0][k], (int, float))}
-           for m, rs in runs.items()}
-    rows = [[m, med[m]["ttft_median_s"] * 1e3, med[m]["ttft_p90_s"] * 1e3, med[m]["decode_tokens_per_s"],
-             f"{med[m]['kv_bytes_per_handoff']:,.0f}"] for m in args.methods]
-    md = (f"### Disaggregated serving ({args.requests} requests, prompts 1-200 tokens, {args.slots} decode slots, "
-          f"{args.layers}-layer Llama hidden {args.hidden_size}, backend {args.backend}; median of {args.repeats})\n\n"
-          + markdown_table(["method", "TTFT median (ms)", "TTFT p90 (ms)", "decode tokens/s", "KV bytes moved per hand-off"],
-                           rows))
+            print(
+                f"  [{rep + 1}] {m:>9}: TTFT median {r['ttft_median_s'] * 1e3:7.1f} ms, p90 {r['ttft_p90_s'] * 1e3:7.1f} ms, "
+                f"decode {r['decode_tokens_per_s']:7.1f} tok/s, KV moved per hand-off {r['kv_bytes_per_handoff']:,.0f} B",
+                flush=True,
+            )
+    med = {
+        m: {k: statistics.median(r[k] for r in rs) for k in rs[0] if isinstance(rs[0][k], (int, float))}
+        for m, rs in runs.items()
+    }
+    rows = [
+        [
+            m,
+            med[m]["ttft_median_s"] * 1e3,
+            med[m]["ttft_p90_s"] * 1e3,
+            med[m]["decode_tokens_per_s"],
+            f"{med[m]['kv_bytes_per_handoff']:,.0f}",
+        ]
+        for m in args.methods
+    ]
+    md = (
+        f"### Disaggregated serving ({args.requests} requests, prompts 1-200 tokens, {args.slots} decode slots, "
+        f"{args.layers}-layer Llama hidden {args.hidden_size}, backend {args.backend}; median of {args.repeats})\n\n"
+        + markdown_table(
+            ["method", "TTFT median (ms)", "TTFT p90 (ms)", "decode tokens/s", "KV bytes moved per hand-off"], rows
+        )
+    )
     print("\n" + md)
-    path = save_results("disagg" + ("_quick" if args.quick else ""),
-                        {"requests": args.requests, "slots": args.slots, "layers": args.layers,
-                         "hidden": args.hidden_size, "backend": args.backend, "median": med, "runs": runs}, md,
-                        args.results_dir)
+    path = save_results(
+        "disagg" + ("_quick" if args.quick else ""),
+        {
+            "requests": args.requests,
+            "slots": args.slots,
+            "layers": args.layers,
+            "hidden": args.hidden_size,
+            "backend": args.backend,
+            "median": med,
+            "runs": runs,
+        },
+        md,
+        args.results_dir,
+    )
     print(f"wrote {path}")
 
 

@@ -76,8 +76,9 @@ def child(step: str, layers: int, path: Path) -> dict:
     _, blocks = find_repeated_blocks(llm.model)[0]
     block = blocks[0]
     captured = []
-    hook = block.register_forward_pre_hook(lambda m, a, k: captured.append((a, k)) if not captured else None,
-                                           with_kwargs=True)
+    hook = block.register_forward_pre_hook(
+        lambda m, a, k: captured.append((a, k)) if not captured else None, with_kwargs=True
+    )
     ids = torch.randint(0, 1000, (64,))
     pos = torch.cat([torch.arange(32), torch.arange(32)])
     idx = torch.tensor([31, 63])
@@ -117,8 +118,9 @@ def child(step: str, layers: int, path: Path) -> dict:
 
             mark_dynamic_dims(args, kwargs)
             t0 = time.perf_counter()
-            fn = torch.compile(forward, fullgraph=True, backend=backend,
-                               options={"guard_filter_fn": guard_filter}).aot_compile(((block, *args), kwargs))
+            fn = torch.compile(
+                forward, fullgraph=True, backend=backend, options={"guard_filter_fn": guard_filter}
+            ).aot_compile(((block, *args), kwargs))
             fn.save_compiled_function(str(path), external_data=closure)
             result["seconds"] = time.perf_counter() - t0
             result.update(guards_kept=kept[0], guards_dropped=dict(dropped), bytes=path.stat().st_size)
@@ -130,8 +132,9 @@ def child(step: str, layers: int, path: Path) -> dict:
             out = fn(block, *args, **kwargs)
             result["seconds"] = time.perf_counter() - t0
             ref = block(*args, **kwargs)
-            result["max_abs_diff"] = float((out[0] if isinstance(out, tuple) else out).sub(
-                ref[0] if isinstance(ref, tuple) else ref).abs().max())
+            result["max_abs_diff"] = float(
+                (out[0] if isinstance(out, tuple) else out).sub(ref[0] if isinstance(ref, tuple) else ref).abs().max()
+            )
             result["guards_pass_other_layer"] = bool(fn.guard_check(blocks[-1], *args, **kwargs))
     return result
 
@@ -157,9 +160,22 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             env = dict(os.environ, QAIC_DYNAMO_CACHE_DIR=f"{tmp}/qaic", TMPDIR=tmp)
             for step in STEPS:  # load reads what save wrote, in the next process
-                proc = subprocess.run([sys.executable, __file__, "--child", step, "--layers", str(args.layers),
-                                       "--path", f"{tmp}/block.aot"], env=env, capture_output=True, text=True,
-                                      timeout=900)
+                proc = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--child",
+                        step,
+                        "--layers",
+                        str(args.layers),
+                        "--path",
+                        f"{tmp}/block.aot",
+                    ],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=900,
+                )
                 if proc.returncode != 0:
                     raise RuntimeError(f"{step} failed:\n{proc.stderr[-3000:]}")
                 s = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -168,15 +184,21 @@ def main() -> None:
     med = {s: statistics.median(x["seconds"] for x in samples[s]) for s in STEPS}
     save = samples["save"][-1]
     load = samples["load"][-1]
-    md = (f"### Dynamo precompile of the decoder block ({args.layers} layers, median of {args.repeats} fresh processes)\n\n"
-          + markdown_table(["step", "seconds"], [[s, med[s]] for s in STEPS])
-          + f"\nload / trace = {med['load'] / med['trace']:.3f}; saved entry {save['bytes']} bytes; output "
-            f"max |diff| vs eager {load['max_abs_diff']:.3g}; the loaded guards pass for another layer: "
-            f"{load['guards_pass_other_layer']}\n\nguards kept: {save['guards_kept']}; dropped (cannot be serialized):\n\n"
-          + markdown_table(["guard type", "count"], sorted(save["guards_dropped"].items(), key=lambda kv: -kv[1])))
+    md = (
+        f"### Dynamo precompile of the decoder block ({args.layers} layers, median of {args.repeats} fresh processes)\n\n"
+        + markdown_table(["step", "seconds"], [[s, med[s]] for s in STEPS])
+        + f"\nload / trace = {med['load'] / med['trace']:.3f}; saved entry {save['bytes']} bytes; output "
+        f"max |diff| vs eager {load['max_abs_diff']:.3g}; the loaded guards pass for another layer: "
+        f"{load['guards_pass_other_layer']}\n\nguards kept: {save['guards_kept']}; dropped (cannot be serialized):\n\n"
+        + markdown_table(["guard type", "count"], sorted(save["guards_dropped"].items(), key=lambda kv: -kv[1]))
+    )
     print(md)
-    save_results("dynamo_precompile_quick" if args.quick else "dynamo_precompile", {"layers": args.layers, "repeats": args.repeats, "samples": samples,
-                                       "median_seconds": med}, md, args.results_dir)
+    save_results(
+        "dynamo_precompile_quick" if args.quick else "dynamo_precompile",
+        {"layers": args.layers, "repeats": args.repeats, "samples": samples, "median_seconds": med},
+        md,
+        args.results_dir,
+    )
 
 
 if __name__ == "__main__":

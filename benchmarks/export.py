@@ -43,8 +43,13 @@ def build(layers: int, hidden: int, vocab: int):
     from qaic_dynamo.demo import DEFAULT_LLAMA
     from qaic_dynamo.models import hf_config, hf_model_from_config
 
-    cfg = dict(DEFAULT_LLAMA, num_hidden_layers=layers, hidden_size=hidden, vocab_size=vocab,
-               intermediate_size=hidden * 11 // 4)
+    cfg = dict(
+        DEFAULT_LLAMA,
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        intermediate_size=hidden * 11 // 4,
+    )
     return hf_model_from_config(hf_config(cfg))
 
 
@@ -56,8 +61,15 @@ def child(method: str, layers: int, hidden: int, vocab: int, out: Path) -> dict:
         from qaic_dynamo.deploy.export import export_for_qaic
 
         t0 = time.perf_counter()
-        r = export_for_qaic(model, out, batch_size=1, prefill_seq_len=32, ctx_len=128,
-                            layerwise=(method == "layerwise"), run_compiler=False)
+        r = export_for_qaic(
+            model,
+            out,
+            batch_size=1,
+            prefill_seq_len=32,
+            ctx_len=128,
+            layerwise=(method == "layerwise"),
+            run_compiler=False,
+        )
         total = time.perf_counter() - t0
         # Weight-proportional work, kept out of the export's own time: writing the weights
         # and hashing them (the export directory is named by a hash of every byte).
@@ -81,23 +93,47 @@ def child(method: str, layers: int, hidden: int, vocab: int, out: Path) -> dict:
     b, s, c = torch.export.Dim("batch_size"), torch.export.Dim("seq_len"), torch.export.Dim("ctx_len")
     table = {op.overload: TRANSLATIONS[op.onnx_function] for op in QAIC_OPS.values() if op.onnx_function}
     with torch.no_grad():
-        program = torch.onnx.export(wrapper, (ids, pos, *past), dynamo=True, optimize=False, verbose=False,
-                                    dynamic_shapes=({0: b, 1: s}, {0: b, 1: s}, tuple([{0: b, 2: c}] * len(past))),
-                                    custom_translation_table=table)
+        program = torch.onnx.export(
+            wrapper,
+            (ids, pos, *past),
+            dynamo=True,
+            optimize=False,
+            verbose=False,
+            dynamic_shapes=({0: b, 1: s}, {0: b, 1: s}, tuple([{0: b, 2: c}] * len(past))),
+            custom_translation_table=table,
+        )
     proto = program.model_proto
     export_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
-    onnx.save_model(proto, str(out / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location="model.onnx.data", size_threshold=0)
+    onnx.save_model(
+        proto,
+        str(out / "model.onnx"),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="model.onnx.data",
+        size_threshold=0,
+    )
     weights_s = time.perf_counter() - t0
     return {"total_s": export_s + weights_s, "weights_s": weights_s, "export_s": export_s}
 
 
 def run_child(method: str, layers: int, hidden: int, vocab: int, timeout: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="qaic-export-") as tmp:
-        cmd = [sys.executable, __file__, "--child", method, "--layers", str(layers), "--hidden-size", str(hidden),
-               "--vocab", str(vocab), "--out", tmp]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            method,
+            "--layers",
+            str(layers),
+            "--hidden-size",
+            str(hidden),
+            "--vocab",
+            str(vocab),
+            "--out",
+            tmp,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{method} at {layers} layers failed:\n{proc.stderr[-3000:]}")
@@ -114,7 +150,9 @@ def plot(med: dict, layers: list[int], png: Path) -> None:
     for m, by_l in med.items():
         xs = [L for L in layers if by_l.get(L)]
         ax.plot(xs, [by_l[L]["export_s"] for L in xs], marker="o", label=f"{m}: export")
-        ax.plot(xs, [by_l[L]["weights_s"] for L in xs], linestyle=":", marker=".", label=f"{m}: hashing + writing weights")
+        ax.plot(
+            xs, [by_l[L]["weights_s"] for L in xs], linestyle=":", marker=".", label=f"{m}: hashing + writing weights"
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("decoder layers")
@@ -151,34 +189,63 @@ def main() -> None:
             for m in args.methods:
                 r = run_child(m, L, args.hidden_size, args.vocab, args.timeout)
                 samples[m][L].append(r)
-                print(f"  [{rep + 1}] {m:>9} L={L:<3} export {r['export_s']:6.2f} s + weights {r['weights_s']:5.2f} s",
-                      flush=True)
-    med = {m: {L: {k: statistics.median(s[k] for s in samples[m][L]) for k in ("total_s", "export_s", "weights_s")}
-               for L in args.layers} for m in args.methods}
-    rows = [[m, L, med[m][L]["export_s"], med[m][L]["weights_s"], med[m][L]["total_s"]]
-            for m in args.methods for L in args.layers]
-    md = (f"### Export time (median of {args.repeats} fresh processes; hidden {args.hidden_size}, vocab {args.vocab})\n\n"
-          + markdown_table(["method", "layers", "export (s)", "weights: hash (layerwise, whole) + write (s)", "total (s)"], rows))
+                print(
+                    f"  [{rep + 1}] {m:>9} L={L:<3} export {r['export_s']:6.2f} s + weights {r['weights_s']:5.2f} s",
+                    flush=True,
+                )
+    med = {
+        m: {
+            L: {k: statistics.median(s[k] for s in samples[m][L]) for k in ("total_s", "export_s", "weights_s")}
+            for L in args.layers
+        }
+        for m in args.methods
+    }
+    rows = [
+        [m, L, med[m][L]["export_s"], med[m][L]["weights_s"], med[m][L]["total_s"]]
+        for m in args.methods
+        for L in args.layers
+    ]
+    md = (
+        f"### Export time (median of {args.repeats} fresh processes; hidden {args.hidden_size}, vocab {args.vocab})\n\n"
+        + markdown_table(
+            ["method", "layers", "export (s)", "weights: hash (layerwise, whole) + write (s)", "total (s)"], rows
+        )
+    )
     lo, hi = min(args.layers), max(args.layers)
     lines = []
     if "layerwise" in med:
         flat = med["layerwise"][hi]["export_s"] / med["layerwise"][lo]["export_s"]
-        lines.append(f"layerwise({hi})/layerwise({lo}) export time = {flat:.2f} "
-                     f"(target <= 1.5: {'met' if flat <= 1.5 else 'MISSED'})")
+        lines.append(
+            f"layerwise({hi})/layerwise({lo}) export time = {flat:.2f} "
+            f"(target <= 1.5: {'met' if flat <= 1.5 else 'MISSED'})"
+        )
     if "layerwise" in med and "direct" in med:
         speed = med["direct"][hi]["total_s"] / med["layerwise"][hi]["total_s"]
-        lines.append(f"direct({hi})/layerwise({hi}) total time = {speed:.1f} "
-                     f"(target >= 10: {'met' if speed >= 10 else 'MISSED'})")
+        lines.append(
+            f"direct({hi})/layerwise({hi}) total time = {speed:.1f} "
+            f"(target >= 10: {'met' if speed >= 10 else 'MISSED'})"
+        )
     if "layerwise" in med and "whole" in med:
-        lines.append(f"whole({hi})/layerwise({hi}) export time = "
-                     f"{med['whole'][hi]['export_s'] / med['layerwise'][hi]['export_s']:.1f}")
+        lines.append(
+            f"whole({hi})/layerwise({hi}) export time = "
+            f"{med['whole'][hi]['export_s'] / med['layerwise'][hi]['export_s']:.1f}"
+        )
     md += "\n" + "\n".join(lines) + "\n"
     print("\n" + md)
     name = "export" + ("_quick" if args.quick else "")
-    path = save_results(name, {"layers": args.layers, "hidden": args.hidden_size, "vocab": args.vocab,
-                               "repeats": args.repeats, "median": {m: {str(L): v for L, v in d.items()} for m, d in med.items()},
-                               "samples": {m: {str(L): v for L, v in d.items()} for m, d in samples.items()}},
-                        md, args.results_dir)
+    path = save_results(
+        name,
+        {
+            "layers": args.layers,
+            "hidden": args.hidden_size,
+            "vocab": args.vocab,
+            "repeats": args.repeats,
+            "median": {m: {str(L): v for L, v in d.items()} for m, d in med.items()},
+            "samples": {m: {str(L): v for L, v in d.items()} for m, d in samples.items()},
+        },
+        md,
+        args.results_dir,
+    )
     png = Path(path).with_suffix(".png")
     plot(med, args.layers, png)
     print(f"wrote {path} and {png}")

@@ -33,16 +33,27 @@ def build(family: str, layers: int, hidden: int):
 
     from qaic_dynamo.models import hf_model_from_config
 
-    small = dict(vocab_size=4096, hidden_size=hidden, intermediate_size=hidden * 2, num_attention_heads=4,
-                 num_key_value_heads=2, num_hidden_layers=layers)
+    small = dict(
+        vocab_size=4096,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=layers,
+    )
     cfg = {
         "llama": lambda: transformers.LlamaConfig(**small),
         "gemma2": lambda: transformers.Gemma2Config(head_dim=hidden // 4, sliding_window=64, **small),
-        "gpt_oss": lambda: transformers.GptOssConfig(head_dim=hidden // 4, num_local_experts=8, num_experts_per_tok=2,
-                                                     sliding_window=64, **small),
-        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(num_experts=8, num_experts_per_tok=2,
-                                                         moe_intermediate_size=hidden,
-                                                         shared_expert_intermediate_size=hidden, **small),
+        "gpt_oss": lambda: transformers.GptOssConfig(
+            head_dim=hidden // 4, num_local_experts=8, num_experts_per_tok=2, sliding_window=64, **small
+        ),
+        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=hidden,
+            shared_expert_intermediate_size=hidden,
+            **small,
+        ),
     }[family]()
     return hf_model_from_config(cfg)
 
@@ -56,17 +67,24 @@ def child(family: str, layers: int, hidden: int) -> dict:
     t0 = time.perf_counter()
     llm.generate([[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15]], 1)
     seconds = time.perf_counter() - t0
-    return {"first_call_s": seconds,
-            "graphs": compilation_counter.num_graphs_seen - before.num_graphs_seen,
-            "unique_pieces": compilation_counter.num_backend_compilations - before.num_backend_compilations,
-            "eager_fallbacks": compilation_counter.num_eager_fallbacks - before.num_eager_fallbacks}
+    return {
+        "first_call_s": seconds,
+        "graphs": compilation_counter.num_graphs_seen - before.num_graphs_seen,
+        "unique_pieces": compilation_counter.num_backend_compilations - before.num_backend_compilations,
+        "eager_fallbacks": compilation_counter.num_eager_fallbacks - before.num_eager_fallbacks,
+    }
 
 
 def run_child(family: str, layers: int, hidden: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="qaic-families-") as tmp:
         env = dict(os.environ, QAIC_DYNAMO_CACHE_DIR=f"{tmp}/qaic", TMPDIR=tmp)
-        proc = subprocess.run([sys.executable, __file__, "--child", family, "--layers", str(layers),
-                               "--hidden-size", str(hidden)], env=env, capture_output=True, text=True, timeout=1200)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", family, "--layers", str(layers), "--hidden-size", str(hidden)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
     if proc.returncode != 0:
         raise RuntimeError(f"{family} at {layers} layers failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -93,22 +111,44 @@ def main() -> None:
             for f in args.families:
                 r = run_child(f, L, args.hidden_size)
                 samples[f][L].append(r)
-                print(f"  [{rep + 1}] {f:>9} L={L}: first call {r['first_call_s']:.2f} s, {r['graphs']} graphs, "
-                      f"{r['unique_pieces']} unique pieces, {r['eager_fallbacks']} eager fallbacks", flush=True)
+                print(
+                    f"  [{rep + 1}] {f:>9} L={L}: first call {r['first_call_s']:.2f} s, {r['graphs']} graphs, "
+                    f"{r['unique_pieces']} unique pieces, {r['eager_fallbacks']} eager fallbacks",
+                    flush=True,
+                )
     rows = []
     for f in args.families:
         for L in args.layers:
             s = samples[f][L]
-            rows.append([f, L, statistics.median(x["first_call_s"] for x in s), s[0]["graphs"], s[0]["unique_pieces"],
-                         max(x["eager_fallbacks"] for x in s)])
-    md = (f"### Families: cold start of LLM(backend='qaic') (median of {args.repeats} fresh processes, hidden "
-          f"{args.hidden_size})\n\n" + markdown_table(
-              ["family", "layers", "first call (s)", "Dynamo graphs", "unique pieces lowered", "eager fallbacks"], rows))
+            rows.append(
+                [
+                    f,
+                    L,
+                    statistics.median(x["first_call_s"] for x in s),
+                    s[0]["graphs"],
+                    s[0]["unique_pieces"],
+                    max(x["eager_fallbacks"] for x in s),
+                ]
+            )
+    md = (
+        f"### Families: cold start of LLM(backend='qaic') (median of {args.repeats} fresh processes, hidden "
+        f"{args.hidden_size})\n\n"
+        + markdown_table(
+            ["family", "layers", "first call (s)", "Dynamo graphs", "unique pieces lowered", "eager fallbacks"], rows
+        )
+    )
     print("\n" + md)
-    path = save_results("families" + ("_quick" if args.quick else ""),
-                        {"layers": args.layers, "hidden": args.hidden_size, "repeats": args.repeats,
-                         "samples": {f: {str(L): v for L, v in d.items()} for f, d in samples.items()}}, md,
-                        args.results_dir)
+    path = save_results(
+        "families" + ("_quick" if args.quick else ""),
+        {
+            "layers": args.layers,
+            "hidden": args.hidden_size,
+            "repeats": args.repeats,
+            "samples": {f: {str(L): v for L, v in d.items()} for f, d in samples.items()},
+        },
+        md,
+        args.results_dir,
+    )
     print(f"wrote {path}")
 
 

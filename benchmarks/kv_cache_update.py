@@ -74,10 +74,13 @@ def bench_case(label: str, tokens: int, dtype: torch.dtype, repeats: int, layout
         kdst.copy_(k)
         vdst.copy_(v)
 
-    t = {name: median_seconds(fn, repeats) for name, fn in
-         (("qaic", qaic), ("index_put", index_put), ("copy_", copy))}
+    t = {name: median_seconds(fn, repeats) for name, fn in (("qaic", qaic), ("index_put", index_put), ("copy_", copy))}
     row = {
-        "case": label, "slots": layout, "tokens": tokens, "dtype": str(dtype).replace("torch.", ""), "bytes": nbytes,
+        "case": label,
+        "slots": layout,
+        "tokens": tokens,
+        "dtype": str(dtype).replace("torch.", ""),
+        "bytes": nbytes,
         **{f"{n}_us": s * 1e6 for n, s in t.items()},
         **{f"{n}_GBps": nbytes / s / 1e9 for n, s in t.items()},
         "qaic_tokens_per_s": tokens / t["qaic"],
@@ -85,10 +88,13 @@ def bench_case(label: str, tokens: int, dtype: torch.dtype, repeats: int, layout
         "qaic_vs_index_put": t["index_put"] / t["qaic"],
     }
     row["meets_50pct_of_copy"] = row["qaic_vs_copy"] >= 0.5
-    print(f"  {label:>8} {layout:>6} {row['dtype']:>8} {tokens:5d} tok: qaic {row['qaic_us']:8.1f} us "
-          f"({row['qaic_GBps']:6.2f} GB/s)  index_put {row['index_put_us']:8.1f} us  "
-          f"copy_ {row['copy__us']:8.1f} us  -> qaic/copy_ bandwidth {row['qaic_vs_copy']:.2f}, "
-          f"{row['qaic_vs_index_put']:.1f}x faster than index_put", flush=True)
+    print(
+        f"  {label:>8} {layout:>6} {row['dtype']:>8} {tokens:5d} tok: qaic {row['qaic_us']:8.1f} us "
+        f"({row['qaic_GBps']:6.2f} GB/s)  index_put {row['index_put_us']:8.1f} us  "
+        f"copy_ {row['copy__us']:8.1f} us  -> qaic/copy_ bandwidth {row['qaic_vs_copy']:.2f}, "
+        f"{row['qaic_vs_index_put']:.1f}x faster than index_put",
+        flush=True,
+    )
     return row
 
 
@@ -99,8 +105,10 @@ def bench_capacity(repeats: int) -> list[dict]:
         s = median_seconds(lambda: torch.ops.qaic.reshape_and_cache(k, v, kc, vc, slots), repeats)
         cache_mb = 2 * kc.numel() * kc.element_size() / 2**20
         rows.append({"capacity": f"{mult}x", "cache_MiB": cache_mb, "decode_write_us": s * 1e6})
-        print(f"  capacity {mult:>3}x ({cache_mb:7.1f} MiB of K+V): decode write of 8 tokens "
-              f"{s * 1e6:6.1f} us", flush=True)
+        print(
+            f"  capacity {mult:>3}x ({cache_mb:7.1f} MiB of K+V): decode write of 8 tokens {s * 1e6:6.1f} us",
+            flush=True,
+        )
     for r in rows:
         r["vs_1x"] = r["decode_write_us"] / rows[0]["decode_write_us"]
     return rows
@@ -113,32 +121,71 @@ def main() -> None:
     ap.add_argument("--results-dir", type=Path, default=None, help="default: benchmarks/results")
     args = ap.parse_args()
     repeats = 2 if args.quick else args.repeats
-    print(f"reshape_and_cache: {HEADS} kv heads x {HEAD_SIZE} head_size, block {BLOCK}, "
-          f"{torch.get_num_threads()} threads, median of {repeats} runs", flush=True)
-    cases = [("decode", 8), ("prefill", 2048)] if args.quick else \
-        [("decode", 1), ("decode", 8), ("decode", 64), ("prefill", 512), ("prefill", 2048)]
+    print(
+        f"reshape_and_cache: {HEADS} kv heads x {HEAD_SIZE} head_size, block {BLOCK}, "
+        f"{torch.get_num_threads()} threads, median of {repeats} runs",
+        flush=True,
+    )
+    cases = (
+        [("decode", 8), ("prefill", 2048)]
+        if args.quick
+        else [("decode", 1), ("decode", 8), ("decode", 64), ("prefill", 512), ("prefill", 2048)]
+    )
     dtypes = [torch.float16] if args.quick else [torch.float32, torch.float16]
     rows = [bench_case(label, n, dt, repeats) for dt in dtypes for label, n in cases]
     rows.append(bench_case("prefill", 2048, torch.float16, repeats, layout="random"))
     cap = bench_capacity(repeats)
 
     md = "### reshape_and_cache throughput\n\n" + markdown_table(
-        ["case", "slots", "dtype", "tokens", "qaic us", "qaic GB/s", "index_put us", "copy_ us",
-         "qaic/copy_ bw", "vs index_put", ">=50% copy"],
-        [[r["case"], r["slots"], r["dtype"], r["tokens"], r["qaic_us"], r["qaic_GBps"], r["index_put_us"],
-          r["copy__us"], r["qaic_vs_copy"], r["qaic_vs_index_put"], "yes" if r["meets_50pct_of_copy"] else "NO"]
-         for r in rows])
+        [
+            "case",
+            "slots",
+            "dtype",
+            "tokens",
+            "qaic us",
+            "qaic GB/s",
+            "index_put us",
+            "copy_ us",
+            "qaic/copy_ bw",
+            "vs index_put",
+            ">=50% copy",
+        ],
+        [
+            [
+                r["case"],
+                r["slots"],
+                r["dtype"],
+                r["tokens"],
+                r["qaic_us"],
+                r["qaic_GBps"],
+                r["index_put_us"],
+                r["copy__us"],
+                r["qaic_vs_copy"],
+                r["qaic_vs_index_put"],
+                "yes" if r["meets_50pct_of_copy"] else "NO",
+            ]
+            for r in rows
+        ],
+    )
     md += "\n### decode write (8 tokens, fp16) versus cache capacity\n\n" + markdown_table(
         ["capacity", "K+V MiB", "us per call", "vs 1x"],
-        [[r["capacity"], r["cache_MiB"], r["decode_write_us"], r["vs_1x"]] for r in cap])
+        [[r["capacity"], r["cache_MiB"], r["decode_write_us"], r["vs_1x"]] for r in cap],
+    )
     print("\n" + md)
     # The target is about the writes an engine makes; the random-scatter row is reported
     # for information (each 256-byte row lands on its own cache line run).
-    missed = [f"{r['case']}/{r['dtype']}/{r['tokens']}" for r in rows
-              if r["slots"] == "engine" and not r["meets_50pct_of_copy"]]
+    missed = [
+        f"{r['case']}/{r['dtype']}/{r['tokens']}"
+        for r in rows
+        if r["slots"] == "engine" and not r["meets_50pct_of_copy"]
+    ]
     print("target >= 50% of copy_ bandwidth:", "met for every case" if not missed else f"MISSED for {missed}")
-    path = save_results("kv_cache_update" + ("_quick" if args.quick else ""),
-                        {"throughput": rows, "capacity": cap, "repeats": repeats}, md, args.results_dir)
+    path = save_results(
+        "kv_cache_update" + ("_quick" if args.quick else ""),
+        {"throughput": rows, "capacity": cap, "repeats": repeats},
+        md,
+        args.results_dir,
+    )
     print(f"wrote {path}")
 
 

@@ -62,8 +62,13 @@ def child(method: str, layers: int) -> dict:
         first = time.perf_counter() - t0
     from torch._dynamo.utils import counters
 
-    return {"method": method, "layers": layers, "first_call_s": first, "graphs": counters["stats"]["unique_graphs"],
-            "ok": bool(torch.isfinite(out).all())}
+    return {
+        "method": method,
+        "layers": layers,
+        "first_call_s": first,
+        "graphs": counters["stats"]["unique_graphs"],
+        "ok": bool(torch.isfinite(out).all()),
+    }
 
 
 def main() -> None:
@@ -84,8 +89,13 @@ def main() -> None:
             for m in METHODS:
                 with tempfile.TemporaryDirectory() as tmp:
                     env = dict(os.environ, QAIC_DYNAMO_CACHE_DIR=f"{tmp}/qaic", TMPDIR=tmp)
-                    proc = subprocess.run([sys.executable, __file__, "--child", m, "--layers", str(L)],
-                                          env=env, capture_output=True, text=True, timeout=1800)
+                    proc = subprocess.run(
+                        [sys.executable, __file__, "--child", m, "--layers", str(L)],
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                        timeout=1800,
+                    )
                 if proc.returncode != 0:
                     raise RuntimeError(f"{m} at {L} layers failed:\n{proc.stderr[-3000:]}")
                 s = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -95,12 +105,20 @@ def main() -> None:
     rows = [[L] + [med[m][L] for m in METHODS] for L in args.layers]
     lo, hi = min(args.layers), max(args.layers)
     growth = {m: med[m][hi] / med[m][lo] for m in METHODS}
-    md = ("### Nested compile regions vs regional compilation: first call (s, median)\n\n"
-          + markdown_table(["layers"] + [f"{m} (s)" for m in METHODS], rows)
-          + "\n" + ", ".join(f"{m}({hi})/{m}({lo}) = {g:.2f}" for m, g in growth.items()) + "\n")
+    md = (
+        "### Nested compile regions vs regional compilation: first call (s, median)\n\n"
+        + markdown_table(["layers"] + [f"{m} (s)" for m in METHODS], rows)
+        + "\n"
+        + ", ".join(f"{m}({hi})/{m}({lo}) = {g:.2f}" for m, g in growth.items())
+        + "\n"
+    )
     print("\n" + md)
-    path = save_results("nested_regions", {"layers": args.layers, "median_first_call_s": med, "growth": growth,
-                                            "samples": samples}, md, args.results_dir)
+    path = save_results(
+        "nested_regions",
+        {"layers": args.layers, "median_first_call_s": med, "growth": growth, "samples": samples},
+        md,
+        args.results_dir,
+    )
     print(f"wrote {path}")
 
 

@@ -72,8 +72,9 @@ def hot_lookup_costs(llm, batch, repeats: int = 2000) -> dict[str, float]:
     from qaic_dynamo import build_attention_metadata, set_forward_context
     from qaic_dynamo.compiler.regions import CompiledRegion
 
-    blocks = [m for m in llm.model.modules() if isinstance(m, CompiledRegion) and m.dispatch is not None
-              and m.dispatch.method]
+    blocks = [
+        m for m in llm.model.modules() if isinstance(m, CompiledRegion) and m.dispatch is not None and m.dispatch.method
+    ]
     block = blocks[len(blocks) // 2]
     d = block.dispatch
     seen = {}
@@ -89,15 +90,18 @@ def hot_lookup_costs(llm, batch, repeats: int = 2000) -> dict[str, float]:
     finally:
         del d._frame_locals
     entry = next(e for e in d._internals.cache_entries(d.code, d.isolate_recompiles_id) if e.backend is not None)
-    md = build_attention_metadata([CONTEXT] * len(batch), [1] * len(batch), [r.block_ids for r in batch],
-                                  llm.block_size)
+    md = build_attention_metadata(
+        [CONTEXT] * len(batch), [1] * len(batch), [r.block_ids for r in batch], llm.block_size
+    )
     # Subtrees Dynamo skips on matching dict tags (none unless compiled with --dict-tags).
     out = {"tag_safe_roots": str(entry.guard_manager).count("tag_safe=(True, True)")}
     with torch.no_grad(), set_forward_context(md, llm.kv_caches, llm.kv_cache_layers):
         assert entry.guard_manager.check(seen["f_locals"]), "the captured frame's guards must pass"
         assert d.lookup(*seen["args"]) is not None, "the captured call must be dispatched"
-        for name, fn in (("guard check", lambda: entry.guard_manager.check(seen["f_locals"])),
-                         ("lookup", lambda: d.lookup(*seen["args"]))):
+        for name, fn in (
+            ("guard check", lambda: entry.guard_manager.check(seen["f_locals"])),
+            ("lookup", lambda: d.lookup(*seen["args"])),
+        ):
             ts = []
             for _ in range(repeats):
                 t = time.perf_counter_ns()
@@ -118,8 +122,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small model, few steps (a smoke run)")
     ap.add_argument("--results-dir", type=Path, default=None)
     ap.add_argument("--tag", default="", help="suffix for the result files (region_entry_<tag>.*)")
-    ap.add_argument("--dict-tags", action="store_true",
-                    help="compile the regional engine with Dynamo's use_recursive_dict_tags_for_guards")
+    ap.add_argument(
+        "--dict-tags",
+        action="store_true",
+        help="compile the regional engine with Dynamo's use_recursive_dict_tags_for_guards",
+    )
     args = ap.parse_args()
     import torch._dynamo.guards as dynamo_guards
 
@@ -132,10 +139,17 @@ def main() -> None:
         layers, hidden, vocab, rounds, steps = 2, 64, 512, 2, 5
         args.tag = args.tag or "quick"
     model = build(layers, hidden, vocab)
-    engines = {name: LLM(model, max_num_seqs=args.batch, max_model_len=CONTEXT + 8, block_size=16, backend="qaic",
-                         regional=regional) for name, regional in (("regional", True), ("whole", False))}
-    print(f"model: {layers} layers, hidden {hidden}, vocab {vocab}; decode batch {args.batch} at {CONTEXT} tokens; "
-          f"{rounds} rounds x {steps} steps", flush=True)
+    engines = {
+        name: LLM(
+            model, max_num_seqs=args.batch, max_model_len=CONTEXT + 8, block_size=16, backend="qaic", regional=regional
+        )
+        for name, regional in (("regional", True), ("whole", False))
+    }
+    print(
+        f"model: {layers} layers, hidden {hidden}, vocab {vocab}; decode batch {args.batch} at {CONTEXT} tokens; "
+        f"{rounds} rounds x {steps} steps",
+        flush=True,
+    )
 
     timers = {name: Timers() for name in engines}  # each engine's calls
     restore: list = []
@@ -145,20 +159,26 @@ def main() -> None:
         runner = a[0]
         return ("ORT run", runner.artifact.path.name[:8], bool(runner.artifact.layout.kv_updates))
 
-    for cls, name, key in ((PieceRunner, "run_bound", key_of_run), (PieceRunner, "bind", "bind"),
-                           (PieceRunner, "forward", "runner call"), (GuardedDispatch, "lookup", "lookup"),
-                           (dynamo_guards.GuardManagerWrapper, "check", "guard check")):
+    for cls, name, key in (
+        (PieceRunner, "run_bound", key_of_run),
+        (PieceRunner, "bind", "bind"),
+        (PieceRunner, "forward", "runner call"),
+        (GuardedDispatch, "lookup", "lookup"),
+        (dynamo_guards.GuardManagerWrapper, "check", "guard check"),
+    ):
         one.wrap(cls, name, key, restore)
     samples = {name: [] for name in engines}
     hot = {}
     try:
         with contextlib.ExitStack() as stack:
-            batches = {name: stack.enter_context(case_batch(llm, "decode", args.batch))
-                       for name, llm in engines.items()}
+            batches = {
+                name: stack.enter_context(case_batch(llm, "decode", args.batch)) for name, llm in engines.items()
+            }
             for name, llm in engines.items():
                 # Dynamo reads the flag when it builds a frame's guards, i.e. while compiling.
-                with torch._dynamo.config.patch(use_recursive_dict_tags_for_guards=args.dict_tags
-                                                and name == "regional"):
+                with torch._dynamo.config.patch(
+                    use_recursive_dict_tags_for_guards=args.dict_tags and name == "regional"
+                ):
                     for _ in range(3):  # compile, then warm up
                         llm.execute_model(batches[name])
             hot = hot_lookup_costs(engines["regional"], batches["regional"])
@@ -176,8 +196,20 @@ def main() -> None:
             setattr(cls, name, orig)
 
     n_steps = rounds * steps
-    rows, payload = [], {"dict_tags": args.dict_tags, "layers": layers, "hidden": hidden, "vocab": vocab, "batch": args.batch,
-                         "rounds": rounds, "steps": steps, "hot_us": hot, "engines": {}}
+    rows, payload = (
+        [],
+        {
+            "dict_tags": args.dict_tags,
+            "layers": layers,
+            "hidden": hidden,
+            "vocab": vocab,
+            "batch": args.batch,
+            "rounds": rounds,
+            "steps": steps,
+            "hot_us": hot,
+            "engines": {},
+        },
+    )
     for name in engines:
         step_ms = statistics.median(samples[name]) / 1e6
         per = {}
@@ -188,12 +220,16 @@ def main() -> None:
             per[label] = {"calls_per_step": calls, "median_us": med, "ms_per_step": total}
             rows.append([name, label, f"{calls:.0f}", f"{med:.0f} us", f"{total:.2f}"])
         payload["engines"][name] = {"step_ms": step_ms, "per_call": per}
-    md = (f"### Decode batch {args.batch} step, regional against whole-model compile ({layers} layers, hidden "
-          f"{hidden}; medians over {rounds} x {steps} steps)\n\n"
-          + markdown_table(["engine", "what", "calls/step", "median per call", "ms/step"], rows))
+    md = (
+        f"### Decode batch {args.batch} step, regional against whole-model compile ({layers} layers, hidden "
+        f"{hidden}; medians over {rounds} x {steps} steps)\n\n"
+        + markdown_table(["engine", "what", "calls/step", "median per call", "ms/step"], rows)
+    )
     reg, whole = payload["engines"]["regional"], payload["engines"]["whole"]
-    ort = {n: sum(v["ms_per_step"] for k, v in e["per_call"].items() if k.startswith("ORT run"))
-           for n, e in (("regional", reg), ("whole", whole))}
+    ort = {
+        n: sum(v["ms_per_step"] for k, v in e["per_call"].items() if k.startswith("ORT run"))
+        for n, e in (("regional", reg), ("whole", whole))
+    }
     payload["ort_ms_per_step"] = ort
     lines = [
         f"step: regional {reg['step_ms']:.2f} ms, whole {whole['step_ms']:.2f} ms "
@@ -204,7 +240,8 @@ def main() -> None:
         lines.append(
             f"block lookup: {reg['per_call']['lookup']['median_us']:.0f} us in step vs {hot['lookup']:.1f} us hot; "
             f"its guard check {reg['per_call']['guard check']['median_us']:.0f} us in step vs "
-            f"{hot['guard check']:.1f} us hot; {hot['tag_safe_roots']} tag-safe guard subtrees")
+            f"{hot['guard check']:.1f} us hot; {hot['tag_safe_roots']} tag-safe guard subtrees"
+        )
     for line in lines:
         print(line)
     md += "\n" + "\n\n".join(lines) + "\n"

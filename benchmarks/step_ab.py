@@ -93,8 +93,20 @@ def child(args: argparse.Namespace) -> None:
 def run(config: str, package: Path, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="qaic-ab-") as tmp:
         env = dict(os.environ, PYTHONPATH=str(package), QAIC_DYNAMO_CACHE_DIR=f"{tmp}/qaic", TMPDIR=tmp)
-        cmd = [sys.executable, str(HERE / "step_ab.py"), "--child", config, "--layers", str(args.layers),
-               "--hidden-size", str(args.hidden_size), "--vocab", str(args.vocab), "--steps", str(args.steps)]
+        cmd = [
+            sys.executable,
+            str(HERE / "step_ab.py"),
+            "--child",
+            config,
+            "--layers",
+            str(args.layers),
+            "--hidden-size",
+            str(args.hidden_size),
+            "--vocab",
+            str(args.vocab),
+            "--steps",
+            str(args.steps),
+        ]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"{config} ({package}) failed:\n{proc.stderr[-3000:]}")
@@ -128,32 +140,65 @@ def main() -> None:
         ap.error(f"{args.baseline} has no built extension: run `python setup.py build_ext --inplace` there")
 
     this = HERE.parent
-    configs = {"baseline": ("default", args.baseline.resolve()), "default": ("default", this),
-               "whole": ("whole", this)}
+    configs = {"baseline": ("default", args.baseline.resolve()), "default": ("default", this), "whole": ("whole", this)}
     samples: dict[str, dict[str, list[float]]] = {c: {n: [] for n, _, _ in CASES} for c in configs}
     names = list(configs)
     for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]  # rotate who runs first
+        order = names[r % len(names) :] + names[: r % len(names)]  # rotate who runs first
         for label in order:
             config, package = configs[label]
             res = run(config, package, args)
             for n, v in res["step_ms"].items():
                 samples[label][n].append(v)
-            print(f"round {r + 1} {label:>8}: " + ", ".join(f"{n} {v:.1f} ms" for n, v in res["step_ms"].items()),
-                  flush=True)
+            print(
+                f"round {r + 1} {label:>8}: " + ", ".join(f"{n} {v:.1f} ms" for n, v in res["step_ms"].items()),
+                flush=True,
+            )
     med = {c: {n: statistics.median(v) for n, v in per.items()} for c, per in samples.items()}
-    rows = [[n, med["baseline"][n], med["default"][n], med["whole"][n], med["default"][n] / med["baseline"][n],
-             med["default"][n] / med["whole"][n]] for n, _, _ in CASES]
-    rev = subprocess.run(["git", "-C", str(args.baseline), "rev-parse", "--short", "HEAD"], capture_output=True,
-                         text=True).stdout.strip() or str(args.baseline)
-    md = (f"### LLM default step latency against {rev}, ms (median of {args.rounds} rounds of fresh processes, "
-          f"{args.steps} steps each; {args.layers} layers, hidden {args.hidden_size})\n\n"
-          + markdown_table(["case", f"baseline {rev} default (ms)", "this default, regional (ms)",
-                            "this, regional=False (ms)", "default / baseline", "regional / whole"], rows))
+    rows = [
+        [
+            n,
+            med["baseline"][n],
+            med["default"][n],
+            med["whole"][n],
+            med["default"][n] / med["baseline"][n],
+            med["default"][n] / med["whole"][n],
+        ]
+        for n, _, _ in CASES
+    ]
+    rev = subprocess.run(
+        ["git", "-C", str(args.baseline), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip() or str(args.baseline)
+    md = (
+        f"### LLM default step latency against {rev}, ms (median of {args.rounds} rounds of fresh processes, "
+        f"{args.steps} steps each; {args.layers} layers, hidden {args.hidden_size})\n\n"
+        + markdown_table(
+            [
+                "case",
+                f"baseline {rev} default (ms)",
+                "this default, regional (ms)",
+                "this, regional=False (ms)",
+                "default / baseline",
+                "regional / whole",
+            ],
+            rows,
+        )
+    )
     print(md)
-    save_results("step_ab" + (f"_{args.tag}" if args.tag else ""),
-                 {"baseline": rev, "layers": args.layers, "hidden": args.hidden_size, "rounds": args.rounds,
-                  "steps": args.steps, "samples_ms": samples, "median_ms": med}, md, args.results_dir)
+    save_results(
+        "step_ab" + (f"_{args.tag}" if args.tag else ""),
+        {
+            "baseline": rev,
+            "layers": args.layers,
+            "hidden": args.hidden_size,
+            "rounds": args.rounds,
+            "steps": args.steps,
+            "samples_ms": samples,
+            "median_ms": med,
+        },
+        md,
+        args.results_dir,
+    )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,14 @@ from typing import Any
 from qaic_dynamo.errors import ConfigError
 from qaic_dynamo.ops import splitting_ops
 
-__all__ = ["DEFAULT_SPLITTING_OPS", "OPSETS", "CompilationConfig", "ConfigError", "default_cache_dir", "qaic_compiler_path"]
+__all__ = [
+    "DEFAULT_SPLITTING_OPS",
+    "OPSETS",
+    "CompilationConfig",
+    "ConfigError",
+    "default_cache_dir",
+    "qaic_compiler_path",
+]
 
 #: The op registry's splitting ops (attention).
 DEFAULT_SPLITTING_OPS: tuple[str, ...] = splitting_ops()
@@ -144,8 +151,9 @@ class CompilationConfig:
         _check_choice("fallback", self.fallback, FALLBACKS)
         _check_choice("opset", self.opset, OPSETS)
         _check_choice("region_dispatch", self.region_dispatch, REGION_DISPATCHES)
-        if self.num_threads is not None and (not isinstance(self.num_threads, int) or isinstance(self.num_threads, bool)
-                                             or self.num_threads < 1):
+        if self.num_threads is not None and (
+            not isinstance(self.num_threads, int) or isinstance(self.num_threads, bool) or self.num_threads < 1
+        ):
             raise ConfigError(f"qaic option 'num_threads' must be a positive int or None, got {self.num_threads!r}")
         if not isinstance(self.release_openmp_workers, bool):
             raise ConfigError(
@@ -155,7 +163,11 @@ class CompilationConfig:
             raise ConfigError(f"qaic option 'cache' must be True or False, got {self.cache!r}")
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             raise ConfigError(f"qaic option 'cache_dir' must be a path or None, got {self.cache_dir!r}")
-        if isinstance(self.cache_size_limit, bool) or not isinstance(self.cache_size_limit, int) or self.cache_size_limit < 0:
+        if (
+            isinstance(self.cache_size_limit, bool)
+            or not isinstance(self.cache_size_limit, int)
+            or self.cache_size_limit < 0
+        ):
             raise ConfigError(
                 f"qaic option 'cache_size_limit' must be a non-negative number of bytes, got {self.cache_size_limit!r}"
             )
@@ -173,9 +185,7 @@ class CompilationConfig:
         options = dict(options or {})
         unknown = sorted(set(options) - set(cls.valid_keys()))
         if unknown:
-            raise ConfigError(
-                f"unknown qaic option(s) {unknown}; valid options are: {', '.join(cls.valid_keys())}"
-            )
+            raise ConfigError(f"unknown qaic option(s) {unknown}; valid options are: {', '.join(cls.valid_keys())}")
         values = {**_environment_defaults(), **options}
         return cls(**values)
 
@@ -193,9 +203,7 @@ class CompilationConfig:
     @classmethod
     def describe(cls) -> str:
         """Every option with its default and documentation (for --help style output)."""
-        return "\n".join(
-            f"{f.name} (default {f.default!r}): {f.metadata.get('doc', '')}" for f in fields(cls)
-        )
+        return "\n".join(f"{f.name} (default {f.default!r}): {f.metadata.get('doc', '')}" for f in fields(cls))
 
     def resolved_cache_dir(self) -> str:
         """The cache root, absolute: the option, else the environment's choice (see
@@ -250,8 +258,11 @@ def _check_op_name(name: str) -> None:
     for overload in packet.overloads():
         # Keyword-only written arguments are the ``out=`` variants every aten op has; the
         # op itself is functional.
-        written = [a.name for a in getattr(packet, overload)._schema.arguments
-                   if a.alias_info is not None and a.alias_info.is_write and not a.kwarg_only]
+        written = [
+            a.name
+            for a in getattr(packet, overload)._schema.arguments
+            if a.alias_info is not None and a.alias_info.is_write and not a.kwarg_only
+        ]
         if written:
             # A piece's outputs are the artifact's own tensors, not views of its inputs or
             # of each other: a write into one would not reach the tensor it was cut from.

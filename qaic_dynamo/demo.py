@@ -48,16 +48,27 @@ DEFAULT_LLAMA = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", choices=["llama", "qwen2", "mistral", "mla"], default="llama",
-                   help="architecture of the built-in model (llama, qwen2, mistral: transformers; mla: reference)")
+    p.add_argument(
+        "--model",
+        choices=["llama", "qwen2", "mistral", "mla"],
+        default="llama",
+        help="architecture of the built-in model (llama, qwen2, mistral: transformers; mla: reference)",
+    )
     p.add_argument("--config", metavar="DIR_OR_JSON", help="a local transformers config (directory or JSON file)")
     p.add_argument("--layers", type=positive_int, default=None, help="override the number of layers (default 16)")
-    p.add_argument("--hidden-size", type=positive_int, default=None,
-                   help="override the hidden size (default 512; a multiple of the 8 attention heads)")
+    p.add_argument(
+        "--hidden-size",
+        type=positive_int,
+        default=None,
+        help="override the hidden size (default 512; a multiple of the 8 attention heads)",
+    )
     p.add_argument("--max-new-tokens", type=positive_int, default=32)
-    p.add_argument("--compare", action="store_true",
-                   help="also compile the whole model, with layer-agnostic and with per-layer KV-update names, and "
-                        "print both cold compile times")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="also compile the whole model, with layer-agnostic and with per-layer KV-update names, and "
+        "print both cold compile times",
+    )
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -90,15 +101,26 @@ def build_model(args: argparse.Namespace) -> Any:
         torch.manual_seed(args.seed)
         hidden = args.hidden_size if args.hidden_size is not None else 512
         _check_hidden_size(hidden, 8)
-        return QaicMLAForCausalLM(QaicMLAConfig(
-            vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-            num_hidden_layers=args.layers if args.layers is not None else 16, num_attention_heads=8, kv_lora_rank=128,
-            qk_nope_head_dim=hidden // 8, qk_rope_head_dim=32, v_head_dim=hidden // 8))
+        return QaicMLAForCausalLM(
+            QaicMLAConfig(
+                vocab_size=32000,
+                hidden_size=hidden,
+                intermediate_size=hidden * 11 // 4,
+                num_hidden_layers=args.layers if args.layers is not None else 16,
+                num_attention_heads=8,
+                kv_lora_rank=128,
+                qk_nope_head_dim=hidden // 8,
+                qk_rope_head_dim=32,
+                v_head_dim=hidden // 8,
+            )
+        )
     if args.config and has_weights(args.config):
         # A model directory with weights: the demo runs that model, as LLM(directory) does.
         if args.layers is not None or args.hidden_size is not None:
-            raise ValueError(f"demo: --config {args.config} holds weights, so its shape is fixed; drop --layers and "
-                             "--hidden-size (or point --config at a config.json to build a resized random model)")
+            raise ValueError(
+                f"demo: --config {args.config} holds weights, so its shape is fixed; drop --layers and "
+                "--hidden-size (or point --config at a config.json to build a resized random model)"
+            )
         return local_model(args.config)
     if args.config:
         cfg = hf_config(args.config)
@@ -126,12 +148,16 @@ def build_model(args: argparse.Namespace) -> Any:
 
 def _check_hidden_size(hidden: int, heads: int) -> None:
     if hidden % heads:
-        raise ValueError(f"--hidden-size {hidden} is not a multiple of the model's {heads} attention heads; pass a "
-                         f"multiple of {heads} (e.g. {max(heads, hidden - hidden % heads)})")
+        raise ValueError(
+            f"--hidden-size {hidden} is not a multiple of the model's {heads} attention heads; pass a "
+            f"multiple of {heads} (e.g. {max(heads, hidden - hidden % heads)})"
+        )
 
 
 def _has_tokenizer(path: str) -> bool:
-    return any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    return any(
+        os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    )
 
 
 def _cold(llm: Any, prompts: list[list[int]]) -> float:
@@ -164,8 +190,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"qaic_dynamo demo: {type(model).__name__}, building engines ...", flush=True)
     # A --config directory that holds tokenizer files gives text in and out.
     tokenizer = args.config if args.config and os.path.isdir(args.config) else None
-    eager = LLM(model, backend="eager", tokenizer=tokenizer if tokenizer and _has_tokenizer(tokenizer) else None,
-                **engine_kw)
+    eager = LLM(
+        model, backend="eager", tokenizer=tokenizer if tokenizer and _has_tokenizer(tokenizer) else None, **engine_kw
+    )
     n_layers = len(eager.kv_cache_layers)
     eager.generate(prompts, 1)  # warm-up (allocator, threads)
     t0 = time.perf_counter()
@@ -200,12 +227,21 @@ def run(args: argparse.Namespace) -> int:
     graphs = delta["num_graphs_seen"]
     rows = [
         ("layers", f"{n_layers}"),
-        ("Dynamo graphs", f"{graphs} (the decoder block traced once for all {n_layers} layers, + {graphs - 1} regions)"),
+        (
+            "Dynamo graphs",
+            f"{graphs} (the decoder block traced once for all {n_layers} layers, + {graphs - 1} regions)",
+        ),
         ("unique pieces compiled", f"{delta['num_backend_compilations']}"),
         ("eager fallbacks", f"{delta['num_eager_fallbacks']}"),
         ("exporter fallbacks", f"{delta['num_exporter_fallbacks']}"),
-        ("cold compile (first call, s)", f"{cold_s:.2f}  (backend {backend_s:.2f}, {delta['num_onnx_exports']} exports)"),
-        ("restart, persistent cache (s)", f"{warm_s:.2f}  ({warm_hits} pieces loaded from disk, {warm_exports} exports)"),
+        (
+            "cold compile (first call, s)",
+            f"{cold_s:.2f}  (backend {backend_s:.2f}, {delta['num_onnx_exports']} exports)",
+        ),
+        (
+            "restart, persistent cache (s)",
+            f"{warm_s:.2f}  ({warm_hits} pieces loaded from disk, {warm_exports} exports)",
+        ),
         ("tokens/s compiled vs eager", f"{gen_tokens / qaic_s:.1f} vs {gen_tokens / eager_s:.1f}"),
         ("max |logit - eager logit|", f"{diff:.2e}"),
         ("greedy tokens identical", "yes" if same else "NO"),
@@ -216,12 +252,22 @@ def run(args: argparse.Namespace) -> int:
             before = compilation_counter.snapshot()
             other_dir = tempfile.mkdtemp(prefix="qaic-demo-cache-")
             atexit.register(shutil.rmtree, other_dir, ignore_errors=True)
-            other = LLM(model, backend="qaic", regional=False, layer_agnostic_kv_update=agnostic,
-                        compile_options={"progress": True, "cache_dir": other_dir}, **engine_kw)
+            other = LLM(
+                model,
+                backend="qaic",
+                regional=False,
+                layer_agnostic_kv_update=agnostic,
+                compile_options={"progress": True, "cache_dir": other_dir},
+                **engine_kw,
+            )
             other_s = _cold(other, prompts)
             other_n = compilation_counter.num_backend_compilations - before.num_backend_compilations
-            rows.append((f"cold compile, {label} (s)",
-                         f"{other_s:.2f}  ({other_n} unique pieces) = {other_s / cold_s:.1f}x the regional compile"))
+            rows.append(
+                (
+                    f"cold compile, {label} (s)",
+                    f"{other_s:.2f}  ({other_n} unique pieces) = {other_s / cold_s:.1f}x the regional compile",
+                )
+            )
     width = max(len(k) for k, _ in rows)
     print(f"\nprompts: {len(prompts)} of {[len(p) for p in prompts]} tokens, {args.max_new_tokens} new tokens each")
     for k, v in rows:

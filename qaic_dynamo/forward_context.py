@@ -138,8 +138,7 @@ def build_attention_metadata(
     if num_tokens is not None:
         if num_tokens < total:
             raise ValueError(
-                f"build_attention_metadata: num_tokens={num_tokens} is less than the "
-                f"{total} tokens of the batch"
+                f"build_attention_metadata: num_tokens={num_tokens} is less than the {total} tokens of the batch"
             )
         slot_mapping = torch.cat([slot_mapping, slot_mapping.new_full((num_tokens - total,), -1)])
     width = max((len(t) for t in block_tables), default=0)

@@ -31,11 +31,18 @@ with torch.no_grad():
     out = Driver(model, prompts).generate(compiled, 3)
 logits = torch.stack([o for o in out]).contiguous()
 c = compilation_counter
-print(json.dumps({
-    "num_backend_compilations": c.num_backend_compilations, "num_onnx_exports": c.num_onnx_exports,
-    "num_disk_cache_hits": c.num_disk_cache_hits, "num_disk_cache_writes": c.num_disk_cache_writes,
-    "num_piece_reuses": c.num_piece_reuses, "num_eager_fallbacks": c.num_eager_fallbacks,
-    "logits_sha256": hashlib.sha256(logits.numpy().tobytes()).hexdigest(),
-    "max_diff_vs_eager": max((a - b).abs().max().item() for a, b in zip(out, eager)),
-    "propagate_s": last_compile_report().seconds["propagate"],
-}))
+print(
+    json.dumps(
+        {
+            "num_backend_compilations": c.num_backend_compilations,
+            "num_onnx_exports": c.num_onnx_exports,
+            "num_disk_cache_hits": c.num_disk_cache_hits,
+            "num_disk_cache_writes": c.num_disk_cache_writes,
+            "num_piece_reuses": c.num_piece_reuses,
+            "num_eager_fallbacks": c.num_eager_fallbacks,
+            "logits_sha256": hashlib.sha256(logits.numpy().tobytes()).hexdigest(),
+            "max_diff_vs_eager": max((a - b).abs().max().item() for a, b in zip(out, eager)),
+            "propagate_s": last_compile_report().seconds["propagate"],
+        }
+    )
+)

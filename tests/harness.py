@@ -9,15 +9,15 @@ from qaic_dynamo import build_attention_metadata, set_forward_context
 
 
 class Driver:
-    def __init__(self, model, prompts, block_size=16, max_len=64, dtype=torch.float32, pad_to=None,
-                 dynamic=True):
+    def __init__(self, model, prompts, block_size=16, max_len=64, dtype=torch.float32, pad_to=None, dynamic=True):
         self.model, self.prompts, self.block_size, self.pad_to = model, prompts, block_size, pad_to
         self.dynamic = dynamic  # mark the token dim dynamic: compile once for every count
         blocks = -(-max_len // block_size)
         self.tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(len(prompts))]
         shape = model.kv_cache_shape(blocks * len(prompts), block_size)
-        self.caches = {n: (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-                       for n in model.kv_cache_layers}
+        self.caches = {
+            n: (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for n in model.kv_cache_layers
+        }
         self.seq_lens = [0] * len(prompts)
 
     def step(self, fn, tokens_per_seq):

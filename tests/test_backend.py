@@ -140,14 +140,21 @@ def test_artifacts_use_retained_state_and_pass_the_checker(tmp_path):
             assert outs[-2:] == ["past_key_RetainedState", "past_value_RetainedState"]
             assert [(f.domain, f.name) for f in m.functions] == [("com.qualcomm.cloud", "KVCacheScatter")]
             assert {"domain": "com.qualcomm.cloud", "version": 1} in [
-                {"domain": o.domain, "version": o.version} for o in m.opset_import]
+                {"domain": o.domain, "version": o.version} for o in m.opset_import
+            ]
         else:  # the last piece: final norm and lm_head, no cache
             assert not any("past" in n for n in ins + outs)
     graph_dir = tmp_path / f"graph{report.graph_index}"
     dumped = sorted(p.name for p in graph_dir.iterdir())
     assert sum(n.endswith(".onnx") for n in dumped) == 3 and sum(n.endswith(".py") for n in dumped) == 5
     summary = json.loads((graph_dir / "summary.json").read_text())
-    assert [p["kind"] for p in summary["pieces"]] == ["compilable", "splitting", "compilable", "splitting", "compilable"]
+    assert [p["kind"] for p in summary["pieces"]] == [
+        "compilable",
+        "splitting",
+        "compilable",
+        "splitting",
+        "compilable",
+    ]
     assert [p["source"] for p in summary["pieces"]] == ["lowered", None, "lowered", None, "lowered"]
 
 
@@ -158,9 +165,17 @@ def test_report_is_logged_and_inspectable(caplog):
     report = last_compile_report()
     kinds = [(p.kind, p.source) for p in report.pieces]
     C, S = PieceKind.COMPILABLE, PieceKind.SPLITTING
-    assert kinds == [(C, Source.LOWERED), (S, None), (C, Source.LOWERED), (S, None),
-                     (C, Source.MEMORY), (S, None), (C, Source.MEMORY), (S, None),
-                     (C, Source.LOWERED)]
+    assert kinds == [
+        (C, Source.LOWERED),
+        (S, None),
+        (C, Source.LOWERED),
+        (S, None),
+        (C, Source.MEMORY),
+        (S, None),
+        (C, Source.MEMORY),
+        (S, None),
+        (C, Source.LOWERED),
+    ]
     assert [p.reused for p in report.pieces[:3]] == [False, None, False]
     middle = [p.key for p in report.pieces if p.index in (2, 4, 6)]
     assert len(set(middle)) == 1, "the middle layers share one fingerprint"
@@ -209,8 +224,12 @@ def test_plain_transformer_split_at_sdpa(L):
     model = PlainTransformer(L).eval()
     ids = torch.randint(0, 100, (2, 9))
     compiled = torch.compile(model, backend="qaic", options={"splitting_ops": ["aten::scaled_dot_product_attention"]})
-    with compilation_counter.expect(num_piecewise_graphs_seen=2 * L + 1, num_backend_compilations=3,
-                                    num_eager_fallbacks=0), torch.no_grad():
+    with (
+        compilation_counter.expect(
+            num_piecewise_graphs_seen=2 * L + 1, num_backend_compilations=3, num_eager_fallbacks=0
+        ),
+        torch.no_grad(),
+    ):
         out = compiled(ids)
     torch.testing.assert_close(out, model(ids), atol=1e-4, rtol=1e-4)
 
@@ -447,8 +466,12 @@ def _view_of_a_computed_value_made_under_no_grad(x):
 
 # Views an epilogue rebuilt from the base's final state, in the caller's grad mode, would
 # get wrong (found by review): each must come back as eager gives it.
-VIEWS_CHANGED_AFTER = [_base_transposed_after_the_view, _view_squeezed_in_place, _view_made_under_no_grad,
-                       _view_of_a_computed_value_made_under_no_grad]
+VIEWS_CHANGED_AFTER = [
+    _base_transposed_after_the_view,
+    _view_squeezed_in_place,
+    _view_made_under_no_grad,
+    _view_of_a_computed_value_made_under_no_grad,
+]
 
 
 @pytest.mark.parametrize("fn", VIEWS_CHANGED_AFTER, ids=lambda f: f.__name__.strip("_"))
@@ -488,18 +511,24 @@ def test_view_outputs_leave_the_compiled_graph_and_run_as_an_eager_epilogue():
     torch.compile(lambda x: (lambda y: (y, x.t(), y[0:2], y.exp()))(x.sin()), backend=capture, dynamic=True)(x)
     views = peel_view_outputs(graphs[0])
     self = TestCase()
-    self.assertExpectedInline(views.inner.code.strip(), """\
+    self.assertExpectedInline(
+        views.inner.code.strip(),
+        """\
 def forward(self, s77 : torch.SymInt, s27 : torch.SymInt, L_x_ : torch.Tensor):
     l_x_ = L_x_
     sin = l_x_.sin();  l_x_ = None
     exp = sin.exp()
-    return (sin, exp)""")
-    self.assertExpectedInline(views.epilogue.code.strip(), """\
+    return (sin, exp)""",
+    )
+    self.assertExpectedInline(
+        views.epilogue.code.strip(),
+        """\
 def forward(self, s77 : torch.SymInt, s27 : torch.SymInt, L_x_ : torch.Tensor, inner_out_0, inner_out_1):
     l_x_ = L_x_
     t = l_x_.t();  l_x_ = None
     getitem = inner_out_0[slice(0, 2, None)]
-    return (inner_out_0, t, getitem, inner_out_1)""")
+    return (inner_out_0, t, getitem, inner_out_1)""",
+    )
     assert views.views == {1: "input L_x_", 2: "output 0"}
     # A graph without view outputs is compiled as it is.
     graphs.clear()
@@ -522,8 +551,9 @@ def test_a_view_of_an_input_survives_a_split_graph():
     wrapped = ReturnsIdsView().eval()
     ids = torch.randint(0, 100, (2, 9))
     with torch.no_grad():
-        logits, head = torch.compile(wrapped, backend="qaic",
-                                     options={"splitting_ops": ["aten::scaled_dot_product_attention"]})(ids)
+        logits, head = torch.compile(
+            wrapped, backend="qaic", options={"splitting_ops": ["aten::scaled_dot_product_attention"]}
+        )(ids)
         ref_logits, _ = wrapped(ids)
     report = last_compile_report()
     assert report.view_outputs == {1: "input L_ids_"}
@@ -559,8 +589,11 @@ class WithOpaqueOp(nn.Module):
 def test_unlowerable_piece_falls_back_and_stays_correct():
     torch.manual_seed(0)
     model, x = WithOpaqueOp().eval(), torch.randn(4, 16)
-    with compilation_counter.expect(num_eager_fallbacks=1, num_backend_compilations=0), \
-            pytest.warns(RuntimeWarning, match="runs eagerly: the ONNX exporter failed"), torch.no_grad():
+    with (
+        compilation_counter.expect(num_eager_fallbacks=1, num_backend_compilations=0),
+        pytest.warns(RuntimeWarning, match="runs eagerly: the ONNX exporter failed"),
+        torch.no_grad(),
+    ):
         out = torch.compile(model, backend="qaic")(x)
     torch.testing.assert_close(out, model(x))
     piece = last_compile_report().pieces[0]
@@ -595,8 +628,10 @@ def test_a_piece_with_another_librarys_op_is_reused_only_within_its_graph(tmp_pa
     torch.manual_seed(0)
     lin, x = nn.Linear(4, 4).eval(), torch.randn(2, 4)
     fn = lambda t: torch.ops.qaic_test_user.scale(lin(t))  # noqa: E731
-    with compilation_counter.expect(num_backend_compilations=1, num_disk_cache_writes=0, num_eager_fallbacks=0), \
-            torch.no_grad():
+    with (
+        compilation_counter.expect(num_backend_compilations=1, num_disk_cache_writes=0, num_eager_fallbacks=0),
+        torch.no_grad(),
+    ):
         out = torch.compile(fn, backend="qaic", options={"cache_dir": str(tmp_path)})(x)
     torch.testing.assert_close(out, fn(x))
     assert not list(tmp_path.rglob("model.onnx"))
@@ -623,6 +658,7 @@ def _scaled_by(s):
     @torch._dynamo.allow_in_graph
     def scale(x, s=s):  # the same code and closure for every s: only the default differs
         return x * s
+
     return scale
 
 
@@ -648,8 +684,11 @@ def test_user_functions_of_the_same_code_are_not_reused_for_each_other():
     # a reset, across graphs; a callable object was keyed by its class name alone, on
     # disk too (found by review).
     x = torch.ones(3)
-    for make in (_scaled_by, lambda s: torch._dynamo.allow_in_graph(_Scaler(s).apply),
-                 lambda s: torch._dynamo.allow_in_graph(_ScaleObject(s))):
+    for make in (
+        _scaled_by,
+        lambda s: torch._dynamo.allow_in_graph(_Scaler(s).apply),
+        lambda s: torch._dynamo.allow_in_graph(_ScaleObject(s)),
+    ):
         two, three = make(2.0), make(3.0)
         both = lambda t: two(t + 1) * 10 + three(t + 1)  # noqa: E731  one graph, two call sites
         torch._dynamo.reset()
@@ -681,8 +720,9 @@ def test_dynamic_floats_are_compiled_per_value_never_reused_across_values():
     x = torch.randn(1, 2, 5, 8)
     first, second = ScaledAttention(0.25, 1e-6), ScaledAttention(0.5, 1e-2)
     compiled = [torch.compile(m, backend="qaic", dynamic=True, options={"fallback": "error"}) for m in (first, second)]
-    with compilation_counter.expect(num_eager_fallbacks=0, num_exporter_fallbacks=0,
-                                    num_backend_compilations=2):  # one per (scale, eps), not one per call
+    with compilation_counter.expect(
+        num_eager_fallbacks=0, num_exporter_fallbacks=0, num_backend_compilations=2
+    ):  # one per (scale, eps), not one per call
         for _ in range(2):
             for model, fn in zip((first, second), compiled):
                 torch.testing.assert_close(fn(x), model(x), rtol=0, atol=1e-6)
@@ -699,11 +739,16 @@ def test_a_float_derived_from_a_dynamic_float_across_a_split_is_computed_per_val
         t = s * 2.0
         return F.scaled_dot_product_attention(x, x, x, scale=t) * t + x
 
-    fn = torch.compile(f, backend="qaic", dynamic=True,
-                       options={"splitting_ops": ["aten::scaled_dot_product_attention"], "fallback": "error"})
-    with compilation_counter.expect(num_eager_fallbacks=0, num_exporter_fallbacks=0,
-                                    num_backend_compilations=1 + 1):  # the piece after attention, per value
-                                                                      # (nothing is computed before it)
+    fn = torch.compile(
+        f,
+        backend="qaic",
+        dynamic=True,
+        options={"splitting_ops": ["aten::scaled_dot_product_attention"], "fallback": "error"},
+    )
+    with compilation_counter.expect(
+        num_eager_fallbacks=0, num_exporter_fallbacks=0, num_backend_compilations=1 + 1
+    ):  # the piece after attention, per value
+        # (nothing is computed before it)
         for s in (0.25, 0.5, 0.25):
             x = torch.randn(1, 2, 5, 8)
             torch.testing.assert_close(fn(x, s), f(x, s), rtol=0, atol=1e-6)
@@ -748,7 +793,9 @@ def test_a_float_whose_partner_is_mixed_with_a_size_is_not_half_specialised():
         t = a * b
         return F.scaled_dot_product_attention(x, x, x, scale=t) * t + x * (b * x.shape[2])
 
-    fn = torch.compile(f, backend="qaic", dynamic=True, options={"splitting_ops": ["aten::scaled_dot_product_attention"]})
+    fn = torch.compile(
+        f, backend="qaic", dynamic=True, options={"splitting_ops": ["aten::scaled_dot_product_attention"]}
+    )
     x = torch.randn(1, 2, 5, 8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -851,8 +898,10 @@ def test_past_the_variant_limit_new_float_values_run_eagerly(monkeypatch):
         return x.pow(2).mean(-1, keepdim=True).add(eps).rsqrt() * x
 
     fn = torch.compile(rms, backend="qaic", dynamic=True)
-    with compilation_counter.expect(num_graphs_seen=1, num_backend_compilations=2, num_eager_fallbacks=1), \
-            pytest.warns(RuntimeWarning, match="took more than 2 values"):
+    with (
+        compilation_counter.expect(num_graphs_seen=1, num_backend_compilations=2, num_eager_fallbacks=1),
+        pytest.warns(RuntimeWarning, match="took more than 2 values"),
+    ):
         for eps in (0.25, 0.5, 0.75, 1.0, 0.25):  # compiled, compiled, eager, eager, compiled
             torch.testing.assert_close(fn(x, eps), rms(x, eps), rtol=0, atol=1e-6)
 
@@ -866,13 +915,19 @@ def test_fallback_error_raises():
 def test_an_unbindable_dtype_is_refused_before_any_export(tmp_path):
     """A uint8 output used to be exported, committed to disk, then failed to load; the
     committed entry was deleted in place and every new process exported it again."""
+
     def f(x, y):
         return (x * 3 + y).to(torch.uint8), x - y
 
     x, y = torch.rand(4, 5) * 10, torch.rand(4, 5)
-    with compilation_counter.expect(num_onnx_exports=0, num_disk_cache_writes=0, num_eager_fallbacks=1), \
-            pytest.warns(RuntimeWarning, match=r"the runtime cannot bind out0 \(uint8\); it binds \[.*'int64'\]. "
-                                               r"Cast to a supported dtype"):
+    with (
+        compilation_counter.expect(num_onnx_exports=0, num_disk_cache_writes=0, num_eager_fallbacks=1),
+        pytest.warns(
+            RuntimeWarning,
+            match=r"the runtime cannot bind out0 \(uint8\); it binds \[.*'int64'\]. "
+            r"Cast to a supported dtype",
+        ),
+    ):
         out = torch.compile(f, backend="qaic", options={"cache_dir": str(tmp_path)})(x, y)
     assert all(torch.equal(a, b) for a, b in zip(out, f(x, y)))
     assert not list(tmp_path.glob("v1/??/*"))
@@ -881,14 +936,17 @@ def test_an_unbindable_dtype_is_refused_before_any_export(tmp_path):
 def test_an_empty_batch_runs_eagerly_for_that_call_only():
     """ONNX Runtime refuses a zero-size tensor (a null data pointer): one empty batch used
     to turn the piece eager for the rest of the process."""
+
     def f(x, w):
         return torch.relu(x @ w) * 2 + 1
 
     w = torch.randn(8, 8)
     g = torch.compile(f, backend="qaic", options={"cache": False})
     # One graph for every token count, as vLLM marks the token dim.
-    with torch.fx.experimental._config.patch(backed_size_oblivious=True), \
-            compilation_counter.expect(num_graphs_seen=1, num_eager_fallbacks=0):
+    with (
+        torch.fx.experimental._config.patch(backed_size_oblivious=True),
+        compilation_counter.expect(num_graphs_seen=1, num_eager_fallbacks=0),
+    ):
         for n in (5, 0, 3):
             x = torch.randn(n, 8)
             torch._dynamo.mark_dynamic(x, 0)
@@ -943,8 +1001,11 @@ def test_a_piece_that_writes_its_inputs_runs_eagerly_and_keeps_the_writes():
     ref.load_state_dict(model.state_dict())
     x = torch.randn(4, 8)
     x_ref = x.clone()
-    with compilation_counter.expect(num_eager_fallbacks=1, num_backend_compilations=0), \
-            pytest.warns(RuntimeWarning, match="writes in place into piece input"), torch.no_grad():
+    with (
+        compilation_counter.expect(num_eager_fallbacks=1, num_backend_compilations=0),
+        pytest.warns(RuntimeWarning, match="writes in place into piece input"),
+        torch.no_grad(),
+    ):
         out = torch.compile(model, backend="qaic")(x)
     torch.testing.assert_close(out, ref(x_ref))
     torch.testing.assert_close(x, x_ref)  # the input's write happened
@@ -953,8 +1014,11 @@ def test_a_piece_that_writes_its_inputs_runs_eagerly_and_keeps_the_writes():
         torch.compile(WritesItsBuffer(), backend="qaic", options={"fallback": "error"})(torch.randn(4, 8))
 
 
-@pytest.mark.parametrize("module", [nn.LeakyReLU(0.1, inplace=True), nn.ReLU6(inplace=True), TrainsABatchNorm()],
-                         ids=["positional-inplace", "hardtanh-inplace", "batch-norm-running-stats"])
+@pytest.mark.parametrize(
+    "module",
+    [nn.LeakyReLU(0.1, inplace=True), nn.ReLU6(inplace=True), TrainsABatchNorm()],
+    ids=["positional-inplace", "hardtanh-inplace", "batch-norm-running-stats"],
+)
 def test_writes_spelled_by_flags_are_refused_too(module):
     import copy
 
@@ -978,8 +1042,9 @@ def test_an_input_write_only_the_aten_trace_shows_is_refused():
         aten_graph(writes, [torch.zeros(17, 4)], [{0: torch.export.Dim.DYNAMIC}], 18)
 
 
-@pytest.mark.parametrize("fn", [lambda a, b: (a & b) + 1, lambda a, b: (a | b) * 2, lambda a, b: (a ^ b) - 1],
-                         ids=["and", "or", "xor"])
+@pytest.mark.parametrize(
+    "fn", [lambda a, b: (a & b) + 1, lambda a, b: (a | b) * 2, lambda a, b: (a ^ b) - 1], ids=["and", "or", "xor"]
+)
 def test_bitwise_operators_on_inputs_are_not_taken_for_writes(fn):
     # operator.and_ / or_ end in "_" like torch's in-place functions, and write nothing.
     a, b = torch.tensor([3, 5, 12]), torch.tensor([1, 4, 10])
@@ -1006,7 +1071,11 @@ EAGER_ARITHMETIC = {  # the first two: 1.0 // 0.1 is 9 in eager and Python (0.1 
     "float-remainder": (lambda a: a % 0.1, _V),
     "float-remainder-negative": (lambda a: a % -0.3, _V),
     "scalar-remainder": (lambda a: 0.5 % a, _V[_V != 0]),
-    "remainder-by-inf": (lambda a, b: a % b, torch.tensor([7.0, -7.0, 3.0]), torch.tensor([float("inf"), float("inf"), -2.0])),
+    "remainder-by-inf": (
+        lambda a, b: a % b,
+        torch.tensor([7.0, -7.0, 3.0]),
+        torch.tensor([float("inf"), float("inf"), -2.0]),
+    ),
     "floordiv-by-zero": (lambda a, b: a // b, torch.tensor([7.0, -7.0, 1.0, 0.0]), torch.tensor([0.0, 2.0, -0.1, 3.0])),
     "int-div-floor": (lambda a: torch.div(a, -3, rounding_mode="floor"), _BIG),
     "int-div-trunc": (lambda a: torch.div(a, 3, rounding_mode="trunc"), _BIG),
@@ -1015,9 +1084,16 @@ EAGER_ARITHMETIC = {  # the first two: 1.0 // 0.1 is 9 in eager and Python (0.1 
     "int-remainder": (lambda a: a % -3, _BIG),
     "int-by-float-floor": (lambda a: torch.div(a, 2.5, rounding_mode="floor"), _BIG),
     # float16: eager divides in float32 by the unrounded scalar (inf // 0.1 is nan).
-    "float16-floordiv": (lambda a: a // 0.1, torch.tensor([1.0, 5.0, 2.0, 7.0, float("inf"), -3.3], dtype=torch.float16)),
+    "float16-floordiv": (
+        lambda a: a // 0.1,
+        torch.tensor([1.0, 5.0, 2.0, 7.0, float("inf"), -3.3], dtype=torch.float16),
+    ),
     "bfloat16-div-floor": (lambda a: torch.div(a, 0.1, rounding_mode="floor").float(), _V.to(torch.bfloat16)),
-    "int-by-float16-tensor": (lambda a, b: a // b, torch.tensor([2051, 7, -9]), torch.full((3,), 2.0, dtype=torch.float16)),
+    "int-by-float16-tensor": (
+        lambda a, b: a // b,
+        torch.tensor([2051, 7, -9]),
+        torch.full((3,), 2.0, dtype=torch.float16),
+    ),
 }
 
 
@@ -1047,8 +1123,12 @@ def test_float16_index_add_is_lowered_and_gives_eagers_values():
     # (found by review; docs/usage.md): the lowering gives the exact sum.
     torch._dynamo.reset()
     ones = torch.ones(3000, dtype=torch.float16)
-    out, expected = lowered_and_eager(lambda x, i, s: x.index_add(0, i, s), torch.zeros(2, dtype=torch.float16),
-                                      torch.zeros(3000, dtype=torch.long), ones)
+    out, expected = lowered_and_eager(
+        lambda x, i, s: x.index_add(0, i, s),
+        torch.zeros(2, dtype=torch.float16),
+        torch.zeros(3000, dtype=torch.long),
+        ones,
+    )
     assert out.tolist() == [3000.0, 0.0] and expected.tolist() == [2048.0, 0.0]
 
 
@@ -1099,34 +1179,63 @@ with torch.no_grad():
 OPSCRIPT_DIFFERENCES = {
     # "mean" scattered without reducing (last write won)
     "scatter_mean": (lambda x, i, s: x.scatter_reduce(0, i, s, "mean"), (torch.ones(2, 3), _IDX, _SRC), 0),
-    "scatter_mean_without_self": (lambda x, i, s: x.scatter_reduce(0, i, s, "mean", include_self=False),
-                                  (torch.ones(2, 3), _IDX, _SRC), 0),
-    "scatter_mean_int": (lambda x, i, s: x.scatter_reduce(0, i, s, "mean"), (torch.ones(2, 3, dtype=torch.long), _IDX,
-                                                                          _SRC.long()), 0),
+    "scatter_mean_without_self": (
+        lambda x, i, s: x.scatter_reduce(0, i, s, "mean", include_self=False),
+        (torch.ones(2, 3), _IDX, _SRC),
+        0,
+    ),
+    "scatter_mean_int": (
+        lambda x, i, s: x.scatter_reduce(0, i, s, "mean"),
+        (torch.ones(2, 3, dtype=torch.long), _IDX, _SRC.long()),
+        0,
+    ),
     # -inf came back as -3.4e38
-    "scatter_amax_of_inf": (lambda x, i, s: x.scatter_reduce(0, i, s, "amax", include_self=False),
-                            (torch.zeros(2, 3), _IDX, _NEG_INF), 0),
-    "scatter_amin_of_inf": (lambda x, i, s: x.scatter_reduce(0, i, s, "amin", include_self=False),
-                            (torch.zeros(2, 3), _IDX, -_NEG_INF), 0),
+    "scatter_amax_of_inf": (
+        lambda x, i, s: x.scatter_reduce(0, i, s, "amax", include_self=False),
+        (torch.zeros(2, 3), _IDX, _NEG_INF),
+        0,
+    ),
+    "scatter_amin_of_inf": (
+        lambda x, i, s: x.scatter_reduce(0, i, s, "amin", include_self=False),
+        (torch.zeros(2, 3), _IDX, -_NEG_INF),
+        0,
+    ),
     # ONNX Range in float32: 9 values, not 10; float64 values rounded like float32
     "arange_float_step": (lambda x: x * torch.arange(0.5, 3.2, 0.3).sum(), (torch.ones(1),), 1e-6),  # 15.3 for 18.5
     "arange_float32": (lambda x: x + torch.arange(0, 1, 0.1), (torch.zeros(10),), 0),
-    "arange_float64": (lambda x: x + torch.arange(0, 1, 0.1, dtype=torch.float64), (torch.zeros(10, dtype=torch.float64),), 0),
+    "arange_float64": (
+        lambda x: x + torch.arange(0, 1, 0.1, dtype=torch.float64),
+        (torch.zeros(10, dtype=torch.float64),),
+        0,
+    ),
     # a Python float operand of a float64 op was a float32 constant: x * 0.10000000149
-    "float64_scalar": (lambda x: x * 0.1 + torch.full((4,), 0.3, dtype=torch.float64), (torch.arange(4.0).double(),), 0),
+    "float64_scalar": (
+        lambda x: x * 0.1 + torch.full((4,), 0.3, dtype=torch.float64),
+        (torch.arange(4.0).double(),),
+        0,
+    ),
     # ONNX Runtime's float16 ReduceLogSumExp overflowed to +-inf
     "logsumexp_float16": (lambda x: torch.logsumexp(x, -1), (_LSE,), 0),
     # Log(1 + x) and Exp(x) - 1 gave 0 for 1e-8 (one float32 ulp apart from eager's libm)
     "log1p": (lambda x: torch.log1p(x), (_SMALL,), 3e-7),
     "log1p_large": (lambda x: torch.log1p(x), (_LARGE,), 3e-7),
     # not silent, but every float16 LayerNorm piece ran eagerly (its translation failed the checker)
-    "layer_norm_float16": (lambda x: _LN16(x) * 2, (torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(3))
-                                                   .half() * 3,), 0),
+    "layer_norm_float16": (
+        lambda x: _LN16(x) * 2,
+        (torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(3)).half() * 3,),
+        0,
+    ),
     # an integer result truncates float bounds first (my float decomposition broke it)
-    "arange_float_bounds_int64": (lambda x: x * torch.arange(0.5, 10.5, 1.5, dtype=torch.int64).sum(),
-                                  (torch.ones(1, dtype=torch.long),), 0),  # eager: 10 values, sum 45
-    "arange_float_bounds_int32": (lambda x: x + torch.arange(0.5, 10.5, 1.5, dtype=torch.int32),
-                                  (torch.zeros(7, dtype=torch.int32),), 0),  # eager: 7 values
+    "arange_float_bounds_int64": (
+        lambda x: x * torch.arange(0.5, 10.5, 1.5, dtype=torch.int64).sum(),
+        (torch.ones(1, dtype=torch.long),),
+        0,
+    ),  # eager: 10 values, sum 45
+    "arange_float_bounds_int32": (
+        lambda x: x + torch.arange(0.5, 10.5, 1.5, dtype=torch.int32),
+        (torch.zeros(7, dtype=torch.int32),),
+        0,
+    ),  # eager: 7 values
     "expm1": (lambda x: torch.expm1(x), (_SMALL,), 3e-7),
     # ONNX Runtime's int64 ReduceSum accumulates in double: 2**54 for [2**53 + 1, 2**53, 1]
     "sum_int64": (lambda x: x.sum(), (_BIG,), 0),
@@ -1138,10 +1247,16 @@ OPSCRIPT_DIFFERENCES = {
     # ONNX Runtime ran the float16 op in float32 and dropped both Casts: never rounded
     "float16_round_trip": (lambda x: (x.half() * 2).float() + (x.half() + 1).float(), (_ROUND,), 0),
     "float16_op_widened": (lambda h: (h * h).float() * 3, (_ROUND.half(),), 0),
-    "batch_norm_eval": (lambda x: _BN(x) * 2, (torch.randn(2, 4, 3, 3, generator=torch.Generator().manual_seed(4)),),
-                        1e-6),
-    "batch_norm_eval_float16": (lambda x: _BN16(x) * 2, (torch.randn(2, 4, 7, generator=torch.Generator().manual_seed(5))
-                                                      .half(),), 0),
+    "batch_norm_eval": (
+        lambda x: _BN(x) * 2,
+        (torch.randn(2, 4, 3, 3, generator=torch.Generator().manual_seed(4)),),
+        1e-6,
+    ),
+    "batch_norm_eval_float16": (
+        lambda x: _BN16(x) * 2,
+        (torch.randn(2, 4, 7, generator=torch.Generator().manual_seed(5)).half(),),
+        0,
+    ),
 }
 
 
@@ -1192,8 +1307,10 @@ def test_float16_arithmetic_with_a_number_gives_eagers_values(fn):
 def test_float16_alpha_past_its_range_raises_eagers_error():
     h = _WIDE16[:8]
     compiled = torch.compile(lambda h: torch.add(h, h, alpha=70000), backend="qaic")
-    with pytest.raises(RuntimeError, match="cannot be converted to type c10::Half without overflow"), \
-            warnings.catch_warnings():
+    with (
+        pytest.raises(RuntimeError, match="cannot be converted to type c10::Half without overflow"),
+        warnings.catch_warnings(),
+    ):
         warnings.simplefilter("ignore")  # the piece runs eagerly, with a warning
         compiled(h)
 
@@ -1222,7 +1339,7 @@ def test_avg_pool_with_a_divisor_override_runs_eagerly():
     torch.testing.assert_close(out, expected)
 
 
-_I64_MIN, _I32_MIN = -2**63, -2**31
+_I64_MIN, _I32_MIN = -(2**63), -(2**31)
 
 # Integer and empty-reduction results ONNX Runtime gave otherwise (a differential review):
 # each compiled without a fallback and returned other values, or killed the process.
@@ -1231,31 +1348,42 @@ INTEGER_SEMANTICS = {
     "floordiv_min_by_minus_one": (lambda a, b: a // b, torch.tensor([_I64_MIN, 9]), torch.tensor([-1, -2])),
     "remainder_min_by_minus_one": (lambda a, b: a % b, torch.tensor([_I64_MIN, 9]), torch.tensor([-1, -2])),
     "floordiv_min_by_minus_one_scalar": (lambda a: a // -1, torch.tensor([_I64_MIN, 9])),
-    "int32_floordiv_min": (lambda a, b: a // b, torch.tensor([_I32_MIN, 9], dtype=torch.int32),
-                           torch.tensor([-1, 2], dtype=torch.int32)),
-    "int32_remainder_min": (lambda a, b: torch.remainder(a, b), torch.tensor([_I32_MIN, -9], dtype=torch.int32),
-                            torch.tensor([-1, 4], dtype=torch.int32)),
+    "int32_floordiv_min": (
+        lambda a, b: a // b,
+        torch.tensor([_I32_MIN, 9], dtype=torch.int32),
+        torch.tensor([-1, 2], dtype=torch.int32),
+    ),
+    "int32_remainder_min": (
+        lambda a, b: torch.remainder(a, b),
+        torch.tensor([_I32_MIN, -9], dtype=torch.int32),
+        torch.tensor([-1, 4], dtype=torch.int32),
+    ),
     "trunc_div_by_minus_one": (lambda a: torch.div(a, -1, rounding_mode="trunc"), torch.tensor([7, -9, 2**62])),
     # ReduceMax of nothing is int64's minimum, which casts to True
     "any_of_an_empty_tail": (lambda x: x[:, 3:].any(1), torch.ones(2, 3)),
     "any_of_nothing": (lambda x: x[3:].any(), torch.ones(3, dtype=torch.long)),
     "any_keepdim": (lambda x: x.any(1, keepdim=True), torch.tensor([[0, 0], [0, 5]])),
     # Pow in double: 3**39 lost its last digits, overflow saturated where eager wraps
-    "int_pow_39": (lambda a: a ** 39, torch.tensor([3, -3, 2])),
-    "int_pow_wraps": (lambda a: a ** 7, torch.tensor([300007, 3])),
-    "int32_pow_wraps": (lambda a: a ** 5, torch.tensor([77, -3], dtype=torch.int32)),
+    "int_pow_39": (lambda a: a**39, torch.tensor([3, -3, 2])),
+    "int_pow_wraps": (lambda a: a**7, torch.tensor([300007, 3])),
+    "int32_pow_wraps": (lambda a: a**5, torch.tensor([77, -3], dtype=torch.int32)),
     # Mod(fmod=1) in double: fmod(2**53 + 1, 2) was 0
-    "int64_fmod": (lambda a, b: torch.fmod(a, b), torch.tensor([2**53 + 1, 2**62 + 3, -7]),
-                   torch.tensor([2, 2**53 + 1, 4])),
-    "int64_fmod_scalar": (lambda a: torch.fmod(a, 3), torch.tensor([2**53 + 1, -2**53 - 1, 5])),
+    "int64_fmod": (
+        lambda a, b: torch.fmod(a, b),
+        torch.tensor([2**53 + 1, 2**62 + 3, -7]),
+        torch.tensor([2, 2**53 + 1, 4]),
+    ),
+    "int64_fmod_scalar": (lambda a: torch.fmod(a, 3), torch.tensor([2**53 + 1, -(2**53) - 1, 5])),
     # eager accumulates a float32 cumsum in double; ONNX Runtime's CumSum stuck at 2**24
     "float32_cumsum": (lambda x: x.cumsum(0), torch.tensor([2.0**24, 1, 1, 1])),
     "int_cumsum_to_float32": (lambda x: x.cumsum(0, dtype=torch.float32), torch.tensor([2**24, 1, 1, 1])),
     # ReduceMean of nothing gave 0 (eager NaN)
     "mean_of_an_empty_dim": (lambda x: x[:, 3:].mean(1), torch.ones(2, 3)),
     # found by the review of those: eager rounds a float64 input to float32 first
-    "float64_cumsum_to_float32": (lambda x: x.cumsum(0, dtype=torch.float32),
-                                  torch.tensor([2.0**24 + 1, 1, 1, 1], dtype=torch.float64)),
+    "float64_cumsum_to_float32": (
+        lambda x: x.cumsum(0, dtype=torch.float32),
+        torch.tensor([2.0**24 + 1, 1, 1, 1], dtype=torch.float64),
+    ),
 }
 
 
@@ -1273,7 +1401,7 @@ def test_integer_isclose_uses_its_tolerances(rtol, atol):
     # isclose is a composite whose in-place bool "or" the direct path cannot translate, so
     # it goes to the exporter (counted), which applies the same decomposition.
     a = torch.tensor([1000000, 2**53 + 1, 100, 100, 2**63 - 1])  # the last: the int64 difference wrapped
-    b = torch.tensor([1000001, 2**53, 105, 120, -2**63])
+    b = torch.tensor([1000001, 2**53, 105, 120, -(2**63)])
     fn = lambda a, b: torch.isclose(a, b, rtol=rtol, atol=atol)  # noqa: E731
     with compilation_counter.expect(num_eager_fallbacks=0, num_exporter_fallbacks=1):
         out = torch.compile(fn, backend="qaic", options={"fallback": "error"})(a, b)
@@ -1294,18 +1422,20 @@ def test_integer_pow_by_a_tensor_runs_eagerly():
     a, b = torch.tensor([3, 5]), torch.tensor([39, 27])  # Pow in double gave ...256, eager ...267
     with compilation_counter.expect(num_eager_fallbacks=1), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = torch.compile(lambda a, b: a ** b, backend="qaic")(a, b)
-    assert torch.equal(out, a ** b)
+        out = torch.compile(lambda a, b: a**b, backend="qaic")(a, b)
+    assert torch.equal(out, a**b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64])  # float64: no ORT Atan, eager
 def test_atan2_gives_eagers_quadrants_zeros_and_nans(dtype):
     # onnxscript's translation: atan2(+0, x < 0) = -pi (eager pi, as C), atan2(0, -0) = 0, NaN -> 0
     inf, nan = float("inf"), float("nan")
-    y = torch.tensor([0.0, -0.0, 0.0, -0.0, 1.0, -1.0, nan, 1.0, 0.0, 1.0, 2.0, inf, inf, -inf, -inf, 1.0, 1e-30, 3.0,
-                      -0.0])
-    x = torch.tensor([-1.0, -1.0, -0.0, -0.0, -1.0, -1.0, 1.0, nan, 0.0, 0.0, -0.0, inf, -inf, inf, -inf, -inf, -1.0,
-                      4.0, 0.0])  # -0 / +0 is -0: ONNX Runtime's Where lost that sign
+    y = torch.tensor(
+        [0.0, -0.0, 0.0, -0.0, 1.0, -1.0, nan, 1.0, 0.0, 1.0, 2.0, inf, inf, -inf, -inf, 1.0, 1e-30, 3.0, -0.0]
+    )
+    x = torch.tensor(
+        [-1.0, -1.0, -0.0, -0.0, -1.0, -1.0, 1.0, nan, 0.0, 0.0, -0.0, inf, -inf, inf, -inf, -inf, -1.0, 4.0, 0.0]
+    )  # -0 / +0 is -0: ONNX Runtime's Where lost that sign
     if dtype == torch.int64:
         y, x = torch.tensor([0, 0, 3, -3, 5, 0]), torch.tensor([-1, 0, -4, -4, 0, 5])
     y, x = y.to(dtype), x.to(dtype)
@@ -1323,26 +1453,35 @@ def test_atan2_rounds_a_wider_operand_to_the_result_type_first():
     assert torch.equal(out.signbit(), expected.signbit())
 
 
-@pytest.mark.parametrize("fn, x", [
-    (lambda x: x.reshape(0, 3).sum(1) + 1, torch.zeros(0, dtype=torch.long)),  # a kept dim of 0 ran eagerly
-    (lambda x: x.reshape(2, 0, 3).sum(2, keepdim=True) + 1, torch.zeros(0, dtype=torch.long)),
-    # an int32 sum saturated where eager wraps
-    (lambda x: x.sum(dim=1, dtype=torch.int32) + 1, torch.full((3, 4), 2**30, dtype=torch.int32)),
-])
+@pytest.mark.parametrize(
+    "fn, x",
+    [
+        (lambda x: x.reshape(0, 3).sum(1) + 1, torch.zeros(0, dtype=torch.long)),  # a kept dim of 0 ran eagerly
+        (lambda x: x.reshape(2, 0, 3).sum(2, keepdim=True) + 1, torch.zeros(0, dtype=torch.long)),
+        # an int32 sum saturated where eager wraps
+        (lambda x: x.sum(dim=1, dtype=torch.int32) + 1, torch.full((3, 4), 2**30, dtype=torch.int32)),
+    ],
+)
 def test_integer_sums_of_empty_and_overflowing_tensors_are_eagers(fn, x):
     out, expected = lowered_and_eager(fn, x)
     assert out.dtype == expected.dtype and torch.equal(out, expected)
 
 
-@pytest.mark.parametrize("fn, args, why", [
-    (lambda x: x.prod(1, dtype=torch.int32), (torch.full((2, 40), 3, dtype=torch.int32),), "an integer prod"),
-    # ONNX Runtime's int64 ReduceProd multiplies in double: 3**39 lost its last digits
-    (lambda x: x.prod() + 1, (torch.tensor([3**20, 3**19]),), "an integer prod"),
-    (lambda x: x.reshape(1, 2).prod(1), (torch.tensor([2**40 + 1, 2**40 + 3]),), "an integer prod"),  # eager wraps
-    # onnxscript's translation crashed ONNX Runtime's session creation (a segfault)
-    (lambda i, w: F.embedding_bag(i, w, torch.tensor([0, 3]), mode="mean") * 2,
-     (torch.tensor([0, 4, 2, 2, 0, 1]), torch.randn(5, 3, generator=torch.Generator().manual_seed(9))), "embedding_bag"),
-])
+@pytest.mark.parametrize(
+    "fn, args, why",
+    [
+        (lambda x: x.prod(1, dtype=torch.int32), (torch.full((2, 40), 3, dtype=torch.int32),), "an integer prod"),
+        # ONNX Runtime's int64 ReduceProd multiplies in double: 3**39 lost its last digits
+        (lambda x: x.prod() + 1, (torch.tensor([3**20, 3**19]),), "an integer prod"),
+        (lambda x: x.reshape(1, 2).prod(1), (torch.tensor([2**40 + 1, 2**40 + 3]),), "an integer prod"),  # eager wraps
+        # onnxscript's translation crashed ONNX Runtime's session creation (a segfault)
+        (
+            lambda i, w: F.embedding_bag(i, w, torch.tensor([0, 3]), mode="mean") * 2,
+            (torch.tensor([0, 4, 2, 2, 0, 1]), torch.randn(5, 3, generator=torch.Generator().manual_seed(9))),
+            "embedding_bag",
+        ),
+    ],
+)
 def test_ops_onnx_runtime_gets_wrong_or_crashes_on_run_eagerly(fn, args, why):
     from qaic_dynamo.compiler import compile_reports
 
@@ -1352,8 +1491,15 @@ def test_ops_onnx_runtime_gets_wrong_or_crashes_on_run_eagerly(fn, args, why):
     assert compile_reports()[-1].pieces[0].fallback.startswith(why)  # the warning says it once per reason
 
 
-@pytest.mark.parametrize("fn", [lambda x: x.amax() * 2, lambda x: x.amin(keepdim=True) + x,
-                                lambda x: x[0, 0].amax() * 2, lambda x: x.int().amax(0) * 2])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: x.amax() * 2,
+        lambda x: x.amin(keepdim=True) + x,
+        lambda x: x[0, 0].amax() * 2,
+        lambda x: x.int().amax(0) * 2,
+    ],
+)
 def test_a_reduction_over_every_dim_is_lowered(fn):
     # x.amax() (dim=[]: every dim) ran eagerly: onnxscript's translation requires the dims
     out, expected = lowered_and_eager(fn, torch.randn(3, 4, generator=torch.Generator().manual_seed(0)))
@@ -1446,8 +1592,11 @@ def test_a_decomposition_branching_on_a_dynamic_size_is_never_served_at_other_si
     # tensor_split is kept only where Dynamo guards the same branch (it recompiles per
     # remainder); adaptive pooling's branch is not Dynamo's, so that piece runs eagerly.
     g = torch.Generator().manual_seed(0)
-    split = torch.compile(lambda a: torch.cat([t.sum(0, keepdim=True) for t in torch.tensor_split(a, 3)]),
-                          backend="qaic", options={"fallback": "error"})
+    split = torch.compile(
+        lambda a: torch.cat([t.sum(0, keepdim=True) for t in torch.tensor_split(a, 3)]),
+        backend="qaic",
+        options={"fallback": "error"},
+    )
     with compilation_counter.expect(num_eager_fallbacks=0, num_exporter_fallbacks=0):
         for n in (6, 7, 8, 9, 10, 12):
             x = torch.randn(n, generator=g)
@@ -1457,8 +1606,10 @@ def test_a_decomposition_branching_on_a_dynamic_size_is_never_served_at_other_si
         return F.adaptive_avg_pool1d(a.view(1, 1, -1), 4).flatten()
 
     compiled = torch.compile(pool, backend="qaic")
-    with compilation_counter.expect(num_exporter_fallbacks=0), \
-            pytest.warns(RuntimeWarning, match="branches on a dynamic size"):
+    with (
+        compilation_counter.expect(num_exporter_fallbacks=0),
+        pytest.warns(RuntimeWarning, match="branches on a dynamic size"),
+    ):
         for n in (6, 7, 8, 9, 10, 12):
             x = torch.randn(n, generator=g)
             torch.testing.assert_close(compiled(x), pool(x))
@@ -1586,8 +1737,11 @@ def test_attention_cases_the_translation_cannot_take_are_lowered():
     mask = torch.zeros(2, 1, 5, 7).masked_fill(torch.rand(2, 1, 5, 7, generator=g) > 0.6, float("-inf"))
     mask[0, 0, 2] = float("-inf")
     cases = [  # bfloat16 (no ONNX Runtime CPU Sqrt / MatMul), grouped heads without a mask
-        (lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
-         (q.bfloat16(), k.bfloat16(), v.bfloat16(), mask.bfloat16()), 0.05),
+        (
+            lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+            (q.bfloat16(), k.bfloat16(), v.bfloat16(), mask.bfloat16()),
+            0.05,
+        ),
         (lambda q, k, v: F.scaled_dot_product_attention(q, k, v), (q.bfloat16(), k.bfloat16(), v.bfloat16()), 0.05),
         (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), (q, k[:, :2], v[:, :2]), 1e-5),
     ]
@@ -1636,7 +1790,9 @@ def test_dynamic_pieces_that_need_a_size_relation_are_lowered_at_the_real_sizes(
 
 
 def test_unknown_option_lists_valid_keys():
-    with pytest.raises(ConfigError, match=r"unknown qaic option\(s\) \['splitting_op'\]; valid options are: splitting_ops, runtime"):
+    with pytest.raises(
+        ConfigError, match=r"unknown qaic option\(s\) \['splitting_op'\]; valid options are: splitting_ops, runtime"
+    ):
         CompilationConfig.from_options({"splitting_op": []})
 
 
@@ -1646,20 +1802,23 @@ def fill_into(x: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(x.reshape(out.shape))
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"splitting_ops": ["qaic_test::fill_into"]}, "'qaic_test::fill_into' writes its argument(s) ['out'] in place"),
-    ({"runtime": "tensorrt"}, "'runtime' must be one of ['onnxruntime', 'qaic']"),
-    ({"fallback": "ignore"}, "'fallback' must be one of ['eager', 'error']"),
-    ({"opset": 11}, "'opset' must be one of [18], got 11"),
-    ({"opset": 21}, "'opset' must be one of [18], got 21"),  # was accepted, and lowered Gelu-20 under opset 18
-    ({"opset": 18.0}, "'opset' must be one of [18], got 18.0"),  # would hash apart from 18
-    ({"opset": "18"}, "'opset' must be one of [18], got '18'"),
-    ({"splitting_ops": ["qaic::no_such_op"]}, "'qaic::no_such_op' is not a registered op"),
-    ({"splitting_ops": "qaic::unified_attention"}, "must be a list of op names"),
-    ({"num_threads": 0}, "'num_threads' must be a positive int"),
-    ({"num_threads": True}, "'num_threads' must be a positive int or None, got True"),
-    ({"release_openmp_workers": "yes"}, "'release_openmp_workers' must be True or False"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"splitting_ops": ["qaic_test::fill_into"]}, "'qaic_test::fill_into' writes its argument(s) ['out'] in place"),
+        ({"runtime": "tensorrt"}, "'runtime' must be one of ['onnxruntime', 'qaic']"),
+        ({"fallback": "ignore"}, "'fallback' must be one of ['eager', 'error']"),
+        ({"opset": 11}, "'opset' must be one of [18], got 11"),
+        ({"opset": 21}, "'opset' must be one of [18], got 21"),  # was accepted, and lowered Gelu-20 under opset 18
+        ({"opset": 18.0}, "'opset' must be one of [18], got 18.0"),  # would hash apart from 18
+        ({"opset": "18"}, "'opset' must be one of [18], got '18'"),
+        ({"splitting_ops": ["qaic::no_such_op"]}, "'qaic::no_such_op' is not a registered op"),
+        ({"splitting_ops": "qaic::unified_attention"}, "must be a list of op names"),
+        ({"num_threads": 0}, "'num_threads' must be a positive int"),
+        ({"num_threads": True}, "'num_threads' must be a positive int or None, got True"),
+        ({"release_openmp_workers": "yes"}, "'release_openmp_workers' must be True or False"),
+    ],
+)
 def test_bad_option_values(options, message):
     with pytest.raises(ConfigError) as e:
         CompilationConfig.from_options(options)
@@ -1681,7 +1840,8 @@ def test_config_hash_covers_artifact_fields_only(monkeypatch):
     import numpy
 
     assert CompilationConfig.from_options({"opset": numpy.int64(18), "num_threads": numpy.int32(2)}) == base.replace(
-        num_threads=2)  # numpy integers are ints: the same config, the same hash
+        num_threads=2
+    )  # numpy integers are ints: the same config, the same hash
     monkeypatch.setenv("QAIC_DYNAMO_DUMP_DIR", "/tmp/from-env")
     assert CompilationConfig.from_options({}).dump_dir == "/tmp/from-env"
     assert CompilationConfig.from_options({"dump_dir": "/tmp/explicit"}).dump_dir == "/tmp/explicit"
@@ -1700,13 +1860,26 @@ def test_runtime_qaic_without_the_sdk_is_a_clear_error():
 def test_qaic_compile_command_follows_qefficient():
     from qaic_dynamo.runtime import qaic_compile_command
 
-    cmd = qaic_compile_command(Path("/a/model.onnx"), Path("/a/qpc"), num_cores=14, custom_io=Path("/a/custom_io.yaml"),
-                               specializations=Path("/a/specializations.json"),
-                               extra={"mxfp6_matmul": True, "mos": 1, "aic_enable_depth_first": False})
+    cmd = qaic_compile_command(
+        Path("/a/model.onnx"),
+        Path("/a/qpc"),
+        num_cores=14,
+        custom_io=Path("/a/custom_io.yaml"),
+        specializations=Path("/a/specializations.json"),
+        extra={"mxfp6_matmul": True, "mos": 1, "aic_enable_depth_first": False},
+    )
     assert cmd == [
-        "/opt/qti-aic/exec/qaic-compile", "-aic-hw", "-aic-hw-version=2.0", "-m=/a/model.onnx", "-retained-state",
-        "-convert-to-fp16", "-aic-num-cores=14", "-custom-IO-list-file=/a/custom_io.yaml",
-        "-network-specialization-config=/a/specializations.json", "-mxfp6-matmul", "-mos=1",
+        "/opt/qti-aic/exec/qaic-compile",
+        "-aic-hw",
+        "-aic-hw-version=2.0",
+        "-m=/a/model.onnx",
+        "-retained-state",
+        "-convert-to-fp16",
+        "-aic-num-cores=14",
+        "-custom-IO-list-file=/a/custom_io.yaml",
+        "-network-specialization-config=/a/specializations.json",
+        "-mxfp6-matmul",
+        "-mos=1",
         "-aic-binary-dir=/a/qpc",
     ]
 
@@ -1748,12 +1921,15 @@ class SplitSnapshot(TestCase):
         with torch.no_grad():
             Driver(model, PROMPTS).step(torch.compile(model, backend=capture), PROMPTS)
         split = split_graph(graphs[0], CompilationConfig().splitting_ops)
-        self.assertExpectedInline(readable_split(split, lambda p: f"<- {p.why}"), """\
+        self.assertExpectedInline(
+            readable_split(split, lambda p: f"<- {p.why}"),
+            """\
 submod_0 [piece] aten::embedding .unsqueeze .to mul aten::cat .cos .to .unsqueeze .sin .to .unsqueeze aten::rms_norm aten::linear .split getitem getitem getitem .view .view .view mul .chunk getitem getitem neg aten::cat mul add mul .chunk getitem getitem neg aten::cat mul add qaic::unified_kv_cache_update  <- start of graph
 submod_1 [split] qaic::unified_attention  <- splitting op qaic::unified_attention (node o)
 submod_2 [piece] .reshape aten::linear add aten::rms_norm aten::linear .chunk getitem getitem aten::silu mul aten::linear add aten::rms_norm aten::linear .split getitem getitem getitem .view .view .view mul .chunk getitem getitem neg aten::cat mul add mul .chunk getitem getitem neg aten::cat mul add qaic::unified_kv_cache_update  <- after splitting op qaic::unified_attention (node o)
 submod_3 [split] qaic::unified_attention  <- splitting op qaic::unified_attention (node o_1)
-submod_4 [piece] .reshape aten::linear add aten::rms_norm aten::linear .chunk getitem getitem aten::silu mul aten::linear add aten::rms_norm aten::linear  <- after splitting op qaic::unified_attention (node o_1)""")
+submod_4 [piece] .reshape aten::linear add aten::rms_norm aten::linear .chunk getitem getitem aten::silu mul aten::linear add aten::rms_norm aten::linear  <- after splitting op qaic::unified_attention (node o_1)""",
+        )
 
 
 # --- MLA cache updates lower to compressed_kv / k_pe retained state -------------------------
@@ -1792,8 +1968,10 @@ def test_mla_updates_lower_to_latent_retained_state():
     with torch.no_grad():
         with qaic_dynamo.set_forward_context(md, eager_kv):
             want = model(x)
-        with compilation_counter.expect(num_backend_compilations=3, num_eager_fallbacks=0), \
-                qaic_dynamo.set_forward_context(md, compiled_kv):
+        with (
+            compilation_counter.expect(num_backend_compilations=3, num_eager_fallbacks=0),
+            qaic_dynamo.set_forward_context(md, compiled_kv),
+        ):
             got = torch.compile(model, backend="qaic")(x)  # first, middle, last
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for name in eager_kv:
@@ -1847,10 +2025,15 @@ def test_a_cast_from_an_input_of_unknown_type_keeps_its_rounding_too():
 
     h = onnx.helper
     graph = h.make_graph(
-        [h.make_node("Cast", ["x"], ["h"], to=onnx.TensorProto.FLOAT16), h.make_node("Mul", ["h", "h"], ["m"]),
-         h.make_node("Cast", ["m"], ["y"], to=onnx.TensorProto.FLOAT)],
-        "g", [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])],
-        [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])])  # no value_info for "m"
+        [
+            h.make_node("Cast", ["x"], ["h"], to=onnx.TensorProto.FLOAT16),
+            h.make_node("Mul", ["h", "h"], ["m"]),
+            h.make_node("Cast", ["m"], ["y"], to=onnx.TensorProto.FLOAT),
+        ],
+        "g",
+        [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])],
+        [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])],
+    )  # no value_info for "m"
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)])
     _keep_reduced_float_roundings(model)
     assert [n.op_type for n in model.graph.node] == ["Cast", "Identity", "Mul", "Identity", "Cast"]

@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def run_benchmark(script: str, tmp_path: Path, *args: str) -> str:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--results-dir", str(tmp_path), *args],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
@@ -45,23 +47,64 @@ def test_backend_stages_benchmark_smoke(tmp_path):
 
 def test_cold_start_report_re_renders_a_saved_run_without_measuring(tmp_path):
     def sample(method, layers, first, backend, run, gc_s=0.0):
-        s = {"method": method, "layers": layers, "first_call_s": first, "backend_s": backend, "run_s": run,
-             "dynamo_s": first - backend - run, "compile_s": first - run, "gc_s": gc_s,
-             "full_collections": int(gc_s > 0)}
+        s = {
+            "method": method,
+            "layers": layers,
+            "first_call_s": first,
+            "backend_s": backend,
+            "run_s": run,
+            "dynamo_s": first - backend - run,
+            "compile_s": first - run,
+            "gc_s": gc_s,
+            "full_collections": int(gc_s > 0),
+        }
         if method == "regional":
-            s.update(graphs=5, unique_pieces=6, onnx_exports=6, disk_hits=0, exporter_fallbacks=0,
-                     piece_lowering_s=[0.1, 0.3], median_piece_lowering_s=0.2)
+            s.update(
+                graphs=5,
+                unique_pieces=6,
+                onnx_exports=6,
+                disk_hits=0,
+                exporter_fallbacks=0,
+                piece_lowering_s=[0.1, 0.3],
+                median_piece_lowering_s=0.2,
+            )
         return s
 
-    saved = {"repeats": 3, "expensive_repeats": 1, "samples": {
-        "regional": {"2": [sample("regional", 2, 2.5, 1.2, 0.02)], "32": [sample("regional", 32, 2.7, 1.3, 0.25, gc_s=0.2)]},
-        "floor": {"2": [sample("floor", 2, 2.6, 0.0, 0.03)], "32": [sample("floor", 32, 13.5, 0.0, 0.3)]}}}
+    saved = {
+        "repeats": 3,
+        "expensive_repeats": 1,
+        "samples": {
+            "regional": {
+                "2": [sample("regional", 2, 2.5, 1.2, 0.02)],
+                "32": [sample("regional", 32, 2.7, 1.3, 0.25, gc_s=0.2)],
+            },
+            "floor": {"2": [sample("floor", 2, 2.6, 0.0, 0.03)], "32": [sample("floor", 32, 13.5, 0.0, 0.3)]},
+        },
+    }
     run = tmp_path / "run.json"
     run.write_text(json.dumps(saved))
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "cold_start.py"), "--repeats", "0", "--merge", str(run),
-         "--layers", "2", "32", "--methods", "regional", "floor", "--results-dir", str(tmp_path), "--tag", "again"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "cold_start.py"),
+            "--repeats",
+            "0",
+            "--merge",
+            str(run),
+            "--layers",
+            "2",
+            "32",
+            "--methods",
+            "regional",
+            "floor",
+            "--results-dir",
+            str(tmp_path),
+            "--tag",
+            "again",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     again = json.loads((tmp_path / "cold_start_again.json").read_text())
@@ -74,7 +117,8 @@ def test_cold_start_report_re_renders_a_saved_run_without_measuring(tmp_path):
     # Diagnostics beside the targets: less the forward (the second call), then less the GC.
     assert again["diagnostics"]["compile: regional(32)/regional(2)"] == pytest.approx((2.7 - 0.25) / (2.5 - 0.02))
     assert again["diagnostics"]["compile less GC: regional(32)/regional(2)"] == pytest.approx(
-        (2.7 - 0.25 - 0.2) / (2.5 - 0.02))
+        (2.7 - 0.25 - 0.2) / (2.5 - 0.02)
+    )
 
 
 @pytest.mark.slow  # ~80 s of fresh processes on 2 cores (CI's 20-minute budget); `make test-all` runs it
@@ -95,8 +139,9 @@ def test_cold_start_benchmark_smoke(tmp_path):
 
 @pytest.mark.slow  # ~35 s of fresh processes on 2 cores (CI's 20-minute budget); `make test-all` runs it
 def test_decode_latency_benchmark_smoke(tmp_path):
-    out = run_benchmark("decode_latency.py", tmp_path, "--backends", "qaic", "qaic-whole", "qaic-dynamo-entry",
-                        "qaic-spin", "eager")
+    out = run_benchmark(
+        "decode_latency.py", tmp_path, "--backends", "qaic", "qaic-whole", "qaic-dynamo-entry", "qaic-spin", "eager"
+    )
     result = json.loads((tmp_path / "decode_latency_quick.json").read_text())
     assert set(result["step_ms"]) == {"qaic", "qaic-whole", "qaic-dynamo-entry", "qaic-spin", "eager"}
     assert set(result["guarded_dispatch_saves_us_per_layer"]) == {"prefill b1x128", "decode b1", "decode b8"}
@@ -171,12 +216,20 @@ def test_step_ab_benchmark_smoke(tmp_path):
 
 
 def test_step_ab_refuses_a_baseline_that_is_not_a_built_checkout(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_ab.py"), "--baseline", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "step_ab.py"), "--baseline", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0 and "--baseline must be a checkout of qaic_dynamo" in proc.stderr
     (tmp_path / "qaic_dynamo").mkdir()
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_ab.py"), "--baseline", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "step_ab.py"), "--baseline", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0 and "has no built extension" in proc.stderr
 
 

@@ -26,8 +26,12 @@ PROMPTS = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38, 46, 26, 43]]
 
 
 def child(cache_dir, *args):
-    proc = subprocess.run([sys.executable, str(HERE / "cache_child.py"), str(cache_dir), *map(str, args)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "cache_child.py"), str(cache_dir), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -141,8 +145,9 @@ def test_full_disk_degrades_with_one_warning(tmp_path, monkeypatch):
     from qaic_dynamo.cache import disk as cache_stage
 
     at_exit = []
-    monkeypatch.setattr(cache_stage, "_at_exit_of_this_process",
-                        lambda fn, *args, **kwargs: at_exit.append(args[0] if args else fn))
+    monkeypatch.setattr(
+        cache_stage, "_at_exit_of_this_process", lambda fn, *args, **kwargs: at_exit.append(args[0] if args else fn)
+    )
     with pytest.warns(RuntimeWarning, match="No space left on device") as record:
         compile_once(tmp_path)
     assert entries(tmp_path) == []
@@ -150,8 +155,9 @@ def test_full_disk_degrades_with_one_warning(tmp_path, monkeypatch):
     # The first piece's private copy serves this process, then goes with it (it stayed,
     # keeping the disk full); the cache is off for the pieces after it.
     assert len(leftovers(tmp_path)) == 1
-    assert sorted(p.name for p in at_exit if isinstance(p, Path) and p.parent == tmp_path / "v1" / "tmp") == \
-        leftovers(tmp_path)
+    assert sorted(p.name for p in at_exit if isinstance(p, Path) and p.parent == tmp_path / "v1" / "tmp") == leftovers(
+        tmp_path
+    )
 
 
 def test_the_tmp_sweep_keeps_a_live_writers_entry_and_removes_a_dead_ones(tmp_path):
@@ -186,7 +192,8 @@ def test_the_tmp_sweep_keeps_a_live_writers_entry_and_removes_a_dead_ones(tmp_pa
         new = DiskCache(tmp_path, 1 << 30).new_tmp_dir("f" * 64)
         assert leftovers(tmp_path) == sorted([names["live_old"], names["older_name_new"], new.name])
         assert sorted(p.name for p in locks.iterdir()) == sorted(
-            [f"writer-{live}.lock", f"writer-{new.name.split('-w')[1][:16]}.lock"])  # the dead writers' went too
+            [f"writer-{live}.lock", f"writer-{new.name.split('-w')[1][:16]}.lock"]
+        )  # the dead writers' went too
         # this process's own entry is live to another sweep
         DiskCache(tmp_path, 1 << 30).new_tmp_dir("e" * 64)
         assert new.is_dir()
@@ -262,8 +269,10 @@ def test_a_disk_that_fills_while_a_piece_is_written_degrades_and_still_compiles(
         return real_save(model, f, *args, **kwargs)
 
     monkeypatch.setattr(onnx, "save", no_space)
-    with pytest.warns(RuntimeWarning, match="not usable.*No space left on device"), \
-            compilation_counter.expect(num_backend_compilations=3, num_eager_fallbacks=0, num_disk_cache_writes=0):
+    with (
+        pytest.warns(RuntimeWarning, match="not usable.*No space left on device"),
+        compilation_counter.expect(num_backend_compilations=3, num_eager_fallbacks=0, num_disk_cache_writes=0),
+    ):
         compile_once(tmp_path)  # compares with eager
     assert entries(tmp_path) == [] and not leftovers(tmp_path)
 
@@ -339,8 +348,15 @@ def test_cache_location_precedence(tmp_path, monkeypatch):
 
 
 def test_concurrent_writers_leave_one_valid_entry_each(tmp_path):
-    procs = [subprocess.Popen([sys.executable, str(HERE / "cache_child.py"), str(tmp_path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "cache_child.py"), str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
     results = []
     for p in procs:
         out, err = p.communicate(timeout=600)
@@ -355,11 +371,20 @@ def test_concurrent_writers_leave_one_valid_entry_each(tmp_path):
 
 
 def test_lock_of_a_killed_process_does_not_block(tmp_path, caplog):
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from qaic_dynamo.cache import DiskCache\n"
-        f"c = DiskCache({str(tmp_path)!r}, 1 << 30)\n"
-        "with c.lock('k' * 64):\n"
-        "    print('locked', flush=True); time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; from qaic_dynamo.cache import DiskCache\n"
+                f"c = DiskCache({str(tmp_path)!r}, 1 << 30)\n"
+                "with c.lock('k' * 64):\n"
+                "    print('locked', flush=True); time.sleep(600)\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline().strip() == "locked"
     holder.send_signal(signal.SIGKILL)
     holder.wait()
@@ -394,8 +419,12 @@ def test_cli_info_list_clear(tmp_path):
     child(tmp_path)
 
     def cli(*args):
-        proc = subprocess.run([sys.executable, "-m", "qaic_dynamo", "cache", *args, "--cache-dir", str(tmp_path)],
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-m", "qaic_dynamo", "cache", *args, "--cache-dir", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stderr
         return proc.stdout
 

@@ -9,15 +9,32 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("model, graphs, compiled", [
-    ("llama", 5, 6),  # the block (2 pieces) + embed_tokens, rotary_emb, norm, lm_head
-    ("mla", 4, 5),  # the block (2 pieces) + embed_tokens, norm, lm_head
-])
+@pytest.mark.parametrize(
+    "model, graphs, compiled",
+    [
+        ("llama", 5, 6),  # the block (2 pieces) + embed_tokens, rotary_emb, norm, lm_head
+        ("mla", 4, 5),  # the block (2 pieces) + embed_tokens, norm, lm_head
+    ],
+)
 def test_demo_runs_and_matches_eager(model, graphs, compiled):
     proc = subprocess.run(
-        [sys.executable, "-m", "qaic_dynamo", "demo", "--model", model, "--layers", "3", "--hidden-size", "64",
-         "--max-new-tokens", "3"],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "qaic_dynamo",
+            "demo",
+            "--model",
+            model,
+            "--layers",
+            "3",
+            "--hidden-size",
+            "64",
+            "--max-new-tokens",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rows = dict(re.findall(r"^  (\S.*?)\s{2,}(\S.*)$", proc.stdout, re.M))
@@ -39,12 +56,20 @@ def test_demo_prints_text_when_the_model_directory_has_a_tokenizer(tmp_path):
     from transformers import LlamaConfig
 
     tok = tiny_tokenizer()
-    LlamaConfig(num_hidden_layers=2, vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path)
+    LlamaConfig(
+        num_hidden_layers=2,
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     proc = subprocess.run(
         [sys.executable, "-m", "qaic_dynamo", "demo", "--config", str(tmp_path), "--max-new-tokens", "3"],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     text = proc.stdout.split("generated text (compiled):", 1)[1]
@@ -53,8 +78,9 @@ def test_demo_prints_text_when_the_model_directory_has_a_tokenizer(tmp_path):
 
 
 def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "qaic_dynamo", *args], capture_output=True, text=True, timeout=600,
-                          cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "qaic_dynamo", *args], capture_output=True, text=True, timeout=600, cwd=cwd
+    )
 
 
 def test_demo_runs_the_weights_of_a_model_directory(tmp_path):
@@ -65,8 +91,17 @@ def test_demo_runs_the_weights_of_a_model_directory(tmp_path):
     from qaic_dynamo import demo
     from qaic_dynamo.models import hf_model_from_config
 
-    hf = hf_model_from_config(LlamaConfig(num_hidden_layers=2, vocab_size=256, hidden_size=64, intermediate_size=128,
-                                          num_attention_heads=4, num_key_value_heads=2), seed=5)
+    hf = hf_model_from_config(
+        LlamaConfig(
+            num_hidden_layers=2,
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+        seed=5,
+    )
     hf.save_pretrained(tmp_path)
     args = demo.argparse.Namespace(model="llama", config=str(tmp_path), layers=None, hidden_size=None, seed=0)
     built = demo.build_model(args)
@@ -82,17 +117,42 @@ def test_demo_layers_resize_every_per_layer_list_and_bad_lengths_are_reported(tm
 
     from qaic_dynamo import demo
 
-    (tmp_path / "smollm3.json").write_text(json.dumps(dict(
-        model_type="smollm3", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, no_rope_layers=[1, 1, 1, 0], pad_token_id=0, bos_token_id=1,
-        eos_token_id=2)))
-    args = demo.argparse.Namespace(model="llama", config=str(tmp_path / "smollm3.json"), layers=6, hidden_size=None,
-                                   seed=0)
+    (tmp_path / "smollm3.json").write_text(
+        json.dumps(
+            dict(
+                model_type="smollm3",
+                vocab_size=256,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                no_rope_layers=[1, 1, 1, 0],
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=2,
+            )
+        )
+    )
+    args = demo.argparse.Namespace(
+        model="llama", config=str(tmp_path / "smollm3.json"), layers=6, hidden_size=None, seed=0
+    )
     model = demo.build_model(args)  # IndexError before: no_rope_layers kept 4 entries for 6 layers
     assert model.config.no_rope_layers == [1, 1, 1, 0, 0, 0] and model.config.num_hidden_layers == 6
-    (tmp_path / "eos.json").write_text(json.dumps(dict(
-        model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, eos_token_id=[1, 2, 3, 4])))
+    (tmp_path / "eos.json").write_text(
+        json.dumps(
+            dict(
+                model_type="llama",
+                vocab_size=256,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                eos_token_id=[1, 2, 3, 4],
+            )
+        )
+    )
     args.config = str(tmp_path / "eos.json")
     assert demo.build_model(args).config.eos_token_id == [1, 2, 3, 4]  # four entries by chance, not per layer
     proc = run_cli("demo", "--model", "llama", "--layers", "1", "--hidden-size", "64", "--max-new-tokens", "3000")
@@ -108,8 +168,11 @@ def test_every_command_says_when_a_model_directory_has_no_config(tmp_path, capsy
     (tmp_path / "prompts.txt").write_text("1 2 3\n")
     empty = tmp_path / "empty"
     empty.mkdir()
-    for argv in (["demo", "--config", str(empty)], ["export", "--model", str(empty), "--out", str(tmp_path / "x")],
-                 ["serve-disagg", "--model", str(empty), "--prompts", str(tmp_path / "prompts.txt")]):
+    for argv in (
+        ["demo", "--config", str(empty)],
+        ["export", "--model", str(empty), "--out", str(tmp_path / "x")],
+        ["serve-disagg", "--model", str(empty), "--prompts", str(tmp_path / "prompts.txt")],
+    ):
         assert main(argv) in (1, 2), argv
         err = capsys.readouterr().err
         assert f"{empty} has no config.json" in err and "Traceback" not in err and "model_type" not in err, err
@@ -149,8 +212,10 @@ def test_cli_refuses_a_hidden_size_the_heads_do_not_divide_and_resizing_a_model_
 
     for model in ("llama", "mla"):  # was a torch size error deep in the trace
         assert _model_arg(argparse.Namespace(model=model, layers=1, hidden_size=60, seed=0)) is None
-        assert ("--hidden-size 60 is not a multiple of the model's 8 attention heads; pass a multiple of 8 (e.g. 56)"
-                in capsys.readouterr().err)
+        assert (
+            "--hidden-size 60 is not a multiple of the model's 8 attention heads; pass a multiple of 8 (e.g. 56)"
+            in capsys.readouterr().err
+        )
     for layers, hidden in ((7, None), (None, 128)):  # was silently ignored: the directory's model as it is
         assert _model_arg(argparse.Namespace(model=str(tmp_path), layers=layers, hidden_size=hidden, seed=0)) is None
         assert "--layers and --hidden-size resize the built-in models" in capsys.readouterr().err

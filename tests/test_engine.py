@@ -154,21 +154,34 @@ def test_bad_constructor_arguments():
         LLM("meta-llama/Llama-3-8B")
     with pytest.raises(TypeError, match="cannot run a Linear"):
         LLM(torch.nn.Linear(2, 2))
-    base = hf_model_from_config(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                            num_attention_heads=4, num_key_value_heads=2)).model
-    with pytest.raises(TypeError, match=r"LlamaModel has no language-model head.*torch.compile\(model, backend='qaic'\)"):  # failed at the first step
+    base = hf_model_from_config(
+        LlamaConfig(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).model
+    with pytest.raises(
+        TypeError, match=r"LlamaModel has no language-model head.*torch.compile\(model, backend='qaic'\)"
+    ):  # failed at the first step
         LLM(base, backend="eager")
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(num_blocks=2.5), "num_blocks must be a positive int, got 2.5"),
-    (dict(num_blocks=True), "num_blocks must be a positive int, got True"),
-    (dict(num_blocks="8"), "num_blocks must be a positive int, got '8'"),
-    (dict(num_blocks=0), "num_blocks must be a positive int, got 0"),
-    (dict(seed=2**64), r"seed must be an int in \[-2\*\*63, 2\*\*64\).*got 18446744073709551616"),
-    (dict(seed=None), "seed must be an int.*got None"),
-    (dict(seed=1.5), "seed must be an int.*got 1.5"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(num_blocks=2.5), "num_blocks must be a positive int, got 2.5"),
+        (dict(num_blocks=True), "num_blocks must be a positive int, got True"),
+        (dict(num_blocks="8"), "num_blocks must be a positive int, got '8'"),
+        (dict(num_blocks=0), "num_blocks must be a positive int, got 0"),
+        (dict(seed=2**64), r"seed must be an int in \[-2\*\*63, 2\*\*64\).*got 18446744073709551616"),
+        (dict(seed=None), "seed must be an int.*got None"),
+        (dict(seed=1.5), "seed must be an int.*got 1.5"),
+    ],
+)
 def test_bad_counts_and_seeds_are_named(kw, message):
     with pytest.raises(ValueError, match=message):
         LLM(reference("llama", 2), backend="eager", **kw)
@@ -182,8 +195,14 @@ def test_a_numpy_seed_is_taken():
 
 
 def test_local_model_directory(tmp_path):
-    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     hf = hf_model_from_config(cfg, seed=3)
     hf.save_pretrained(tmp_path / "weights")
     want = LLM(hf, backend="eager").generate(PROMPTS, 4)
@@ -200,13 +219,25 @@ def test_local_model_directory(tmp_path):
 
 
 def test_reference_model_by_name_and_json_config(tmp_path):
-    assert LLM("llama", backend="eager").generate([[1, 2, 3]], 2) == \
-        LLM(reference("llama", 4), backend="eager").generate([[1, 2, 3]], 2)
+    assert LLM("llama", backend="eager").generate([[1, 2, 3]], 2) == LLM(
+        reference("llama", 4), backend="eager"
+    ).generate([[1, 2, 3]], 2)
     from qaic_dynamo.models import hf_config
 
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "qwen2", "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 1,
-                                "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 64}))
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "qwen2",
+                "vocab_size": 300,
+                "hidden_size": 32,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "intermediate_size": 64,
+            }
+        )
+    )
     cfg = hf_config(path)
     assert type(cfg).__name__ == "Qwen2Config" and cfg.vocab_size == 300
 

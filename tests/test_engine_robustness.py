@@ -98,7 +98,7 @@ def test_execute_model_rejects_a_request_with_nothing_to_feed():
 # -- 2. the caller's model is not changed ---------------------------------------------------
 def hf_generate(model, prompt, n):
     out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def plain_run(model):
@@ -175,5 +175,3 @@ def test_final_logit_soft_capping_alone_is_supported():
     with torch.no_grad():
         want = model(torch.tensor([PROMPTS[2]])).logits[0, -1]
     torch.testing.assert_close(out.logits[0], want, atol=1e-4, rtol=0)
-
-

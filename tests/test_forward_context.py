@@ -18,8 +18,13 @@ from qaic_dynamo import (
 
 
 def layer_caches(names, num_blocks=4, heads=1, block_size=4, head_size=2):
-    return {n: (torch.zeros(num_blocks, heads, block_size, head_size),
-                torch.zeros(num_blocks, heads, block_size, head_size)) for n in names}
+    return {
+        n: (
+            torch.zeros(num_blocks, heads, block_size, head_size),
+            torch.zeros(num_blocks, heads, block_size, head_size),
+        )
+        for n in names
+    }
 
 
 def one_token_md(slot=0):
@@ -53,10 +58,10 @@ def test_magic_name_takes_layers_in_order_and_advances():
 def test_explicit_order_and_direct_names():
     kv = layer_caches(["a", "b", "c"])
     with set_forward_context(one_token_md(), kv, all_kv_cache_layers=["c", "a", "b"]) as ctx:
-        write(1)            # -> c
-        write(9, "b")       # a direct name does not move the index
+        write(1)  # -> c
+        write(9, "b")  # a direct name does not move the index
         assert ctx.kv_cache_layer_index == 1
-        write(2)            # -> a
+        write(2)  # -> a
     assert [kv[n][0][0, 0, 0, 0].item() for n in "abc"] == [2, 9, 1]
 
 
@@ -71,8 +76,10 @@ def test_call_past_the_last_layer_names_both_counts():
 
 
 def test_mla_update_shares_the_index():
-    kv = {"attn0": (torch.zeros(2, 1, 4, 3), torch.zeros(2, 1, 4, 2)),
-          "attn1": (torch.zeros(2, 1, 4, 3), torch.zeros(2, 1, 4, 2))}
+    kv = {
+        "attn0": (torch.zeros(2, 1, 4, 3), torch.zeros(2, 1, 4, 2)),
+        "attn1": (torch.zeros(2, 1, 4, 3), torch.zeros(2, 1, 4, 2)),
+    }
     with set_forward_context(one_token_md(5), kv) as ctx:
         ops.unified_mla_kv_cache_update(torch.ones(1, 3), torch.ones(1, 1, 2))
         ops.unified_mla_kv_cache_update(torch.full((1, 3), 2.0), torch.full((1, 2), 2.0))
@@ -143,8 +150,11 @@ def test_contexts_left_out_of_order_are_an_error_and_each_keeps_its_own():
     fa, fb = forward(a), forward(b)
     next(fa)
     cb = next(fb)
-    with pytest.raises(RuntimeError, match=r"forward contexts were left out of order on this thread.*interleaved "
-                                           r"on one thread.*Run each forward pass to completion"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"forward contexts were left out of order on this thread.*interleaved "
+        r"on one thread.*Run each forward pass to completion",
+    ):
         fa.close()  # leaves a's context while b's is current
     assert get_forward_context() is cb  # b kept its own context
     next(fb)
@@ -233,19 +243,42 @@ def test_python_resolution_matches_the_op():
     [
         (dict(slot_mapping=torch.zeros(2, 2, dtype=torch.long)), "slot_mapping must be 1-D"),
         (dict(slot_mapping=torch.zeros(2)), "slot_mapping must be int32 or int64"),
-        (dict(slot_mapping=torch.arange(2), seq_lens=torch.tensor([2])),
-         "block_tables, seq_lens and query_start_loc go together"),
-        (dict(slot_mapping=torch.arange(2), block_tables=torch.zeros(1, 1, dtype=torch.long),
-              seq_lens=torch.tensor([2]), query_start_loc=torch.tensor([0, 1, 2])),
-         "query_start_loc must have num_seqs + 1 = 2 entries, got 3"),
-        (dict(slot_mapping=torch.arange(2), block_tables=torch.zeros(1, 1, dtype=torch.long),
-              seq_lens=torch.tensor([1]), query_start_loc=torch.tensor([0, 2])),
-         "sequence 0 has 2 new tokens but seq_len 1"),
-        (dict(slot_mapping=torch.zeros(1, dtype=torch.long), block_tables=torch.zeros(1, 1, dtype=torch.long),
-              seq_lens=torch.tensor([2]), query_start_loc=torch.tensor([0, 2])),
-         "query_start_loc ends at 2 but slot_mapping has only 1 tokens"),
+        (
+            dict(slot_mapping=torch.arange(2), seq_lens=torch.tensor([2])),
+            "block_tables, seq_lens and query_start_loc go together",
+        ),
+        (
+            dict(
+                slot_mapping=torch.arange(2),
+                block_tables=torch.zeros(1, 1, dtype=torch.long),
+                seq_lens=torch.tensor([2]),
+                query_start_loc=torch.tensor([0, 1, 2]),
+            ),
+            "query_start_loc must have num_seqs + 1 = 2 entries, got 3",
+        ),
+        (
+            dict(
+                slot_mapping=torch.arange(2),
+                block_tables=torch.zeros(1, 1, dtype=torch.long),
+                seq_lens=torch.tensor([1]),
+                query_start_loc=torch.tensor([0, 2]),
+            ),
+            "sequence 0 has 2 new tokens but seq_len 1",
+        ),
+        (
+            dict(
+                slot_mapping=torch.zeros(1, dtype=torch.long),
+                block_tables=torch.zeros(1, 1, dtype=torch.long),
+                seq_lens=torch.tensor([2]),
+                query_start_loc=torch.tensor([0, 2]),
+            ),
+            "query_start_loc ends at 2 but slot_mapping has only 1 tokens",
+        ),
         # The lowered scatter read any negative slot as padding; the kernel refused it.
-        (dict(slot_mapping=torch.tensor([3, -2, -1])), "slot_mapping entries must be >= -1 (-1 marks a padded token), got -2"),
+        (
+            dict(slot_mapping=torch.tensor([3, -2, -1])),
+            "slot_mapping entries must be >= -1 (-1 marks a padded token), got -2",
+        ),
         (dict(slot_mapping=torch.tensor([-5], dtype=torch.int32)), "got -5"),
         # The kernel kept the last of two writes to one slot, the lowered scatter either one.
         (dict(slot_mapping=torch.tensor([7, -1, 3, -1, 7])), "slot_mapping writes slot 7 more than once"),
@@ -259,8 +292,14 @@ def test_metadata_validation(kwargs, message):
 
 
 def test_build_attention_metadata_slots_and_padding():
-    md = build_attention_metadata(seq_lens=[6, 3], query_lens=[2, 3], block_tables=[[4, 1], [2]],
-                                  block_size=4, num_tokens=8, index_dtype=torch.int32)
+    md = build_attention_metadata(
+        seq_lens=[6, 3],
+        query_lens=[2, 3],
+        block_tables=[[4, 1], [2]],
+        block_size=4,
+        num_tokens=8,
+        index_dtype=torch.int32,
+    )
     # seq 0: positions 4, 5 -> block 1 (table[1]), offsets 0, 1 -> slots 4, 5
     # seq 1: positions 0..2 -> block 2 -> slots 8, 9, 10; then 3 padding rows
     assert md.slot_mapping.tolist() == [4, 5, 8, 9, 10, -1, -1, -1]

@@ -22,7 +22,7 @@ FAMILIES = {
 
 def hf_generate(model, prompt, n):
     out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def expected_counts(regional: bool, layers: int) -> dict[str, int]:
@@ -51,8 +51,9 @@ def test_family_matches_eager_and_transformers(family, layers, regional):
     with torch.no_grad():
         want_logits = [hf(torch.tensor([p])).logits[0, -1] for p in PROMPTS]
 
-    with compilation_counter.expect(num_eager_fallbacks=0, num_exporter_fallbacks=0,
-                                    **expected_counts(regional, layers)):
+    with compilation_counter.expect(
+        num_eager_fallbacks=0, num_exporter_fallbacks=0, **expected_counts(regional, layers)
+    ):
         compiled = compiled_llm.generate_outputs(PROMPTS, 8, return_logits=True)
 
     assert [o.token_ids for o in compiled] == [o.token_ids for o in eager] == want
@@ -64,8 +65,7 @@ def test_family_matches_eager_and_transformers(family, layers, regional):
     # Another batch composition (sizes, mix) after warm-up compiles nothing new.
     with compilation_counter.expect(num_graphs_seen=0, num_backend_compilations=0):
         again = compiled_llm.generate([[7], [8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18, 19]], 3)
-    assert again == LLM(hf, backend="eager").generate(
-        [[7], [8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18, 19]], 3)
+    assert again == LLM(hf, backend="eager").generate([[7], [8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18, 19]], 3)
 
 
 PLAIN_COMPILE = [("llama", 2), ("llama", 4), ("mistral", 2), ("gemma2", 2)]
@@ -81,9 +81,17 @@ def test_hf_generate_with_a_compiled_forward(family, layers, dynamic):
     inputs are compiled at their values. Mistral and Gemma2's sliding-window cache layers
     pass a tensor through and keep their length as a Python int (a size no tensor carries)."""
     if family == "gemma2":  # soft-capping needs transformers' eager attention
-        hf = hf_model_from_config(Gemma2Config(num_hidden_layers=layers, head_dim=16, attn_logit_softcapping=50.0,
-                                               final_logit_softcapping=30.0, query_pre_attn_scalar=16,
-                                               sliding_window=4096, **SMALL))
+        hf = hf_model_from_config(
+            Gemma2Config(
+                num_hidden_layers=layers,
+                head_dim=16,
+                attn_logit_softcapping=50.0,
+                final_logit_softcapping=30.0,
+                query_pre_attn_scalar=16,
+                sliding_window=4096,
+                **SMALL,
+            )
+        )
         hf.config._attn_implementation = "eager"
     else:
         hf = hf_model_from_config(FAMILIES[family](layers))
@@ -115,8 +123,10 @@ def test_transformers_grouped_mm_experts_fall_back_with_the_fix_named():
 
     g = torch.Generator().manual_seed(0)
     x, w, offs = torch.randn(6, 8, generator=g), torch.randn(3, 8, 4, generator=g), torch.tensor([2, 2, 6])
-    with compilation_counter.expect(num_eager_fallbacks=1, num_backend_compilations=0), \
-            pytest.warns(RuntimeWarning, match=r"set_experts_implementation\('batched_mm'\)"):
+    with (
+        compilation_counter.expect(num_eager_fallbacks=1, num_backend_compilations=0),
+        pytest.warns(RuntimeWarning, match=r"set_experts_implementation\('batched_mm'\)"),
+    ):
         out = torch.compile(experts, backend="qaic")(x, w, offs)
     torch.testing.assert_close(out, experts(x, w, offs))
 
@@ -144,13 +154,26 @@ def test_unsupported_architecture_is_a_clear_error():
 # layers (Gemma3), embedding / residual / logit multipliers (Granite), squared-ReLU MLP and
 # LayerNorm1P (Nemotron). Extra config keys are each family's required sizes.
 MORE_FAMILIES = {
-    "qwen3": {}, "mixtral": dict(num_local_experts=4, num_experts_per_tok=2), "phi": {}, "cohere": {},
-    "starcoder2": {}, "gemma3_text": dict(head_dim=16, sliding_window=4),
+    "qwen3": {},
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "phi": {},
+    "cohere": {},
+    "starcoder2": {},
+    "gemma3_text": dict(head_dim=16, sliding_window=4),
 }
 MORE_FAMILIES_SLOW = {
-    "qwen3_moe": dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2), "olmo": {}, "olmo2": {},
-    "gemma": dict(head_dim=16), "granite": {}, "helium": dict(head_dim=16), "exaone4": {}, "ernie4_5": {},
-    "seed_oss": {}, "apertus": {}, "nemotron": {}, "arcee": {},
+    "qwen3_moe": dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
+    "olmo": {},
+    "olmo2": {},
+    "gemma": dict(head_dim=16),
+    "granite": {},
+    "helium": dict(head_dim=16),
+    "exaone4": {},
+    "ernie4_5": {},
+    "seed_oss": {},
+    "apertus": {},
+    "nemotron": {},
+    "arcee": {},
 }
 
 
@@ -161,10 +184,12 @@ def greedy_reference(model, prompt, n):
     with torch.no_grad():
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
-@pytest.mark.parametrize("family", [*MORE_FAMILIES, *(pytest.param(f, marks=pytest.mark.slow) for f in MORE_FAMILIES_SLOW)])
+@pytest.mark.parametrize(
+    "family", [*MORE_FAMILIES, *(pytest.param(f, marks=pytest.mark.slow) for f in MORE_FAMILIES_SLOW)]
+)
 def test_more_families_match_eager_and_transformers(family):
     from qaic_dynamo.models import hf_config
 

@@ -32,8 +32,9 @@ def tool(name: str) -> str:
 
 def lint_imports(root: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(root))
-    return subprocess.run([tool("lint-imports"), "--no-cache"], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [tool("lint-imports"), "--no-cache"], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.fixture
@@ -54,17 +55,31 @@ def test_the_import_contracts_hold():
     assert "0 broken" in proc.stdout
 
 
-@pytest.mark.parametrize("module, line, contract", [
-    # A lower stage reaching up the pipeline.
-    ("runtime/fallback.py", "from qaic_dynamo.engine import LLM", "a stage imports only the stages below it"),
-    ("artifact/load.py", "from qaic_dynamo.lowering import lower_piece", "a stage imports only the stages below it"),
-    ("ops/registry.py", "from qaic_dynamo.config import CompilationConfig", "a stage imports only the stages below it"),
-    # Siblings kept apart, and the forbidden pairs.
-    ("models/llama.py", "from qaic_dynamo.compiler import compile", "a stage imports only the stages below it"),
-    ("cache/memory.py", "from qaic_dynamo.lowering import lower_piece", "the cache never imports the lowering"),
-    ("deploy/serving/session.py", "from qaic_dynamo.deploy.export import options",
-     "serving never imports the export's internals"),
-])
+@pytest.mark.parametrize(
+    "module, line, contract",
+    [
+        # A lower stage reaching up the pipeline.
+        ("runtime/fallback.py", "from qaic_dynamo.engine import LLM", "a stage imports only the stages below it"),
+        (
+            "artifact/load.py",
+            "from qaic_dynamo.lowering import lower_piece",
+            "a stage imports only the stages below it",
+        ),
+        (
+            "ops/registry.py",
+            "from qaic_dynamo.config import CompilationConfig",
+            "a stage imports only the stages below it",
+        ),
+        # Siblings kept apart, and the forbidden pairs.
+        ("models/llama.py", "from qaic_dynamo.compiler import compile", "a stage imports only the stages below it"),
+        ("cache/memory.py", "from qaic_dynamo.lowering import lower_piece", "the cache never imports the lowering"),
+        (
+            "deploy/serving/session.py",
+            "from qaic_dynamo.deploy.export import options",
+            "serving never imports the export's internals",
+        ),
+    ],
+)
 def test_a_wrong_import_breaks_a_contract(tree, module, line, contract):
     add_line(tree / "qaic_dynamo" / module, line)
     proc = lint_imports(tree)
@@ -74,8 +89,13 @@ def test_a_wrong_import_breaks_a_contract(tree, module, line, contract):
 
 
 def ruff(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([tool("ruff"), "check", "--no-cache", "--output-format", "concise", *args], cwd=root,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [tool("ruff"), "check", "--no-cache", "--output-format", "concise", *args],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_ruff_passes():
@@ -83,11 +103,14 @@ def test_ruff_passes():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("line", [
-    "import torch._dynamo",
-    "from torch.onnx._internal.exporter import _core",
-    "from torch.fx.experimental.symbolic_shapes import ShapeEnv",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "import torch._dynamo",
+        "from torch.onnx._internal.exporter import _core",
+        "from torch.fx.experimental.symbolic_shapes import ShapeEnv",
+    ],
+)
 def test_private_torch_names_only_through_the_adapter(tree, line):
     # Inside _compat they are allowed; anywhere else ruff's banned-API rule refuses them.
     add_line(tree / "qaic_dynamo" / "_compat" / "torch_2_13.py", line)
@@ -104,24 +127,33 @@ def private_imports(root: Path) -> list[str]:
     for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("qaic_dynamo"):
-                found += [f"{path.relative_to(root)}:{node.lineno} {a.name}" for a in node.names
-                          if a.name.startswith("_") and a.name not in ("_C", "_compat")]
+                found += [
+                    f"{path.relative_to(root)}:{node.lineno} {a.name}"
+                    for a in node.names
+                    if a.name.startswith("_") and a.name not in ("_C", "_compat")
+                ]
     return found
 
 
 def test_no_module_imports_another_modules_private_names(tree):
     assert private_imports(PACKAGE) == []
     add_line(tree / "qaic_dynamo" / "compiler" / "backend.py", "from qaic_dynamo.cache.disk import _try_flock")
-    assert private_imports(tree / "qaic_dynamo") == ["compiler/backend.py:" + str(
-        len((tree / "qaic_dynamo" / "compiler" / "backend.py").read_text().splitlines())) + " _try_flock"]
+    assert private_imports(tree / "qaic_dynamo") == [
+        "compiler/backend.py:"
+        + str(len((tree / "qaic_dynamo" / "compiler" / "backend.py").read_text().splitlines()))
+        + " _try_flock"
+    ]
 
 
 def exception_classes() -> list[type]:
     classes = []
     for info in pkgutil.walk_packages(qaic_dynamo.__path__, "qaic_dynamo."):
         module = importlib.import_module(info.name)
-        classes += [c for _, c in inspect.getmembers(module, inspect.isclass)
-                    if issubclass(c, BaseException) and c.__module__ == module.__name__]
+        classes += [
+            c
+            for _, c in inspect.getmembers(module, inspect.isclass)
+            if issubclass(c, BaseException) and c.__module__ == module.__name__
+        ]
     return classes
 
 
@@ -140,10 +172,13 @@ def test_errors_keep_the_builtin_callers_catch():
         assert issubclass(getattr(errors, name), ValueError), name
     for name in ("LoweringError", "QaicCompileError", "ArtifactError", "PieceRunError"):
         assert issubclass(getattr(errors, name), RuntimeError), name
-    assert issubclass(errors.LoweringError, errors.CompileError) and issubclass(errors.QaicCompileError, errors.CompileError)
+    assert issubclass(errors.LoweringError, errors.CompileError) and issubclass(
+        errors.QaicCompileError, errors.CompileError
+    )
 
 
 def test_no_module_is_longer_than_700_lines():
-    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 700}
+    long = {
+        str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 700
+    }
     assert long == {}

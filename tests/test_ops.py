@@ -37,12 +37,16 @@ def reshape_and_cache_samples():
                 yield (k, v, kc, vc, slots.to(index_dtype))
 
 
-@pytest.mark.parametrize("sample", list(reshape_and_cache_samples()), ids=lambda s: f"{s[0].dtype}-{s[4].dtype}-bs{s[2].shape[2]}")
+@pytest.mark.parametrize(
+    "sample", list(reshape_and_cache_samples()), ids=lambda s: f"{s[0].dtype}-{s[4].dtype}-bs{s[2].shape[2]}"
+)
 def test_reshape_and_cache_opcheck(sample):
     torch.library.opcheck(torch.ops.qaic.reshape_and_cache.default, sample)
 
 
-@pytest.mark.parametrize("sample", list(reshape_and_cache_samples()), ids=lambda s: f"{s[0].dtype}-{s[4].dtype}-bs{s[2].shape[2]}")
+@pytest.mark.parametrize(
+    "sample", list(reshape_and_cache_samples()), ids=lambda s: f"{s[0].dtype}-{s[4].dtype}-bs{s[2].shape[2]}"
+)
 def test_reshape_and_cache_matches_reference(sample):
     k, v, kc, vc, slots = sample
     want_k, want_v = ref_reshape_and_cache(k, v, kc, vc, slots)
@@ -96,20 +100,27 @@ def _onnx_kv_cache_scatter(cache, slot_mapping, updates):
     elem = {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16}[cache.dtype]
     node = onnx.helper.make_node("KVCacheScatter", ["cache", "slot_mapping", "updates"], ["out"], domain=QAIC_DOMAIN)
     graph = onnx.helper.make_graph(
-        [node], "g",
-        [onnx.helper.make_tensor_value_info("cache", elem, ["nb", cache.shape[1], "bs", cache.shape[3]]),
-         onnx.helper.make_tensor_value_info("slot_mapping", onnx.TensorProto.INT64, ["t"]),
-         onnx.helper.make_tensor_value_info("updates", elem, ["r", cache.shape[1], cache.shape[3]])],
+        [node],
+        "g",
+        [
+            onnx.helper.make_tensor_value_info("cache", elem, ["nb", cache.shape[1], "bs", cache.shape[3]]),
+            onnx.helper.make_tensor_value_info("slot_mapping", onnx.TensorProto.INT64, ["t"]),
+            onnx.helper.make_tensor_value_info("updates", elem, ["r", cache.shape[1], cache.shape[3]]),
+        ],
         [onnx.helper.make_tensor_value_info("out", elem, ["nb", cache.shape[1], "bs", cache.shape[3]])],
     )
-    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18),
-                                                         onnx.helper.make_opsetid(QAIC_DOMAIN, 1)],
-                                   functions=function_protos({"KVCacheScatter"}))
+    model = onnx.helper.make_model(
+        graph,
+        opset_imports=[onnx.helper.make_opsetid("", 18), onnx.helper.make_opsetid(QAIC_DOMAIN, 1)],
+        functions=function_protos({"KVCacheScatter"}),
+    )
     model.ir_version = 10
     onnx.checker.check_model(model, full_check=True)
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    (out,) = sess.run(None, {"cache": cache.numpy(), "slot_mapping": slot_mapping.numpy().astype(np.int64),
-                             "updates": updates.numpy()})
+    (out,) = sess.run(
+        None,
+        {"cache": cache.numpy(), "slot_mapping": slot_mapping.numpy().astype(np.int64), "updates": updates.numpy()},
+    )
     return torch.from_numpy(out)
 
 
@@ -155,7 +166,10 @@ def test_non_contiguous_key_rows_are_accepted():
         (lambda a: a.update(value=torch.randn(3, 2, 4)), "value has head_size 4 but value_cache has head_size 8"),
         (lambda a: a.update(key=a["key"].half()), "key is Half but key_cache is Float"),
         (lambda a: a.update(key_cache=torch.zeros(4, 4, 2, 8).transpose(1, 2)), "key_cache must be contiguous"),
-        (lambda a: a.update(slot_mapping=torch.tensor([0, 1, 16])), "slot_mapping[2] = 16 is out of range; valid slots are 0..15"),
+        (
+            lambda a: a.update(slot_mapping=torch.tensor([0, 1, 16])),
+            "slot_mapping[2] = 16 is out of range; valid slots are 0..15",
+        ),
         (lambda a: a.update(slot_mapping=torch.tensor([0, -2, 1])), "slot_mapping[1] = -2 is out of range"),
         (lambda a: a.update(slot_mapping=torch.tensor([0.0, 1.0, 2.0])), "slot_mapping must be int32 or int64"),
         (lambda a: a.update(slot_mapping=torch.tensor([0, 1, 2, 3])), "slot_mapping has 4 tokens but key has 3 rows"),
@@ -165,8 +179,10 @@ def test_non_contiguous_key_rows_are_accepted():
 )
 def test_reshape_and_cache_errors(mutate, message):
     args = dict(
-        key=torch.randn(3, 2, 8), value=torch.randn(3, 2, 8),
-        key_cache=torch.zeros(4, 2, 4, 8), value_cache=torch.zeros(4, 2, 4, 8),
+        key=torch.randn(3, 2, 8),
+        value=torch.randn(3, 2, 8),
+        key_cache=torch.zeros(4, 2, 4, 8),
+        value_cache=torch.zeros(4, 2, 4, 8),
         slot_mapping=torch.tensor([0, 1, 2]),
     )
     mutate(args)
@@ -187,37 +203,57 @@ def test_out_of_range_slot_rejects_the_whole_call():
 # --- the unified ops ------------------------------------------------------------------
 
 
-def batch(seq_lens, query_lens, block_size, heads=2, kv_heads=1, head_size=8, layers=("l0",),
-          dtype=torch.float32, num_tokens=None, seed=0):
+def batch(
+    seq_lens,
+    query_lens,
+    block_size,
+    heads=2,
+    kv_heads=1,
+    head_size=8,
+    layers=("l0",),
+    dtype=torch.float32,
+    num_tokens=None,
+    seed=0,
+):
     """A mixed batch: caches pre-filled with each sequence's context, plus the new tokens."""
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]
     order = torch.randperm(sum(blocks_per_seq) + 3, generator=g).tolist()  # scattered blocks
     tables, start = [], 0
     for n in blocks_per_seq:
-        tables.append(order[start:start + n])
+        tables.append(order[start : start + n])
         start += n
     nb = len(order)
     full_k = [torch.randn(s, kv_heads, head_size, generator=g).to(dtype) for s in seq_lens]
     full_v = [torch.randn(s, kv_heads, head_size, generator=g).to(dtype) for s in seq_lens]
     kv = {name: caches(nb, kv_heads, block_size, head_size, dtype) for name in layers}
     # Context (everything but the new tokens) goes into the caches up front.
-    ctx_md = build_attention_metadata([s - q for s, q in zip(seq_lens, query_lens)],
-                                      [s - q for s, q in zip(seq_lens, query_lens)], tables, block_size)
+    ctx_md = build_attention_metadata(
+        [s - q for s, q in zip(seq_lens, query_lens)], [s - q for s, q in zip(seq_lens, query_lens)], tables, block_size
+    )
     ctx_k = torch.cat([k[: s - q] for k, s, q in zip(full_k, seq_lens, query_lens)])
     ctx_v = torch.cat([v[: s - q] for v, s, q in zip(full_v, seq_lens, query_lens)])
     for kc, vc in kv.values():
         ops.reshape_and_cache(ctx_k, ctx_v, kc, vc, ctx_md.slot_mapping)
     md = build_attention_metadata(seq_lens, query_lens, tables, block_size, num_tokens=num_tokens)
-    new_k = torch.cat([k[s - q:] for k, s, q in zip(full_k, seq_lens, query_lens)])
-    new_v = torch.cat([v[s - q:] for v, s, q in zip(full_v, seq_lens, query_lens)])
+    new_k = torch.cat([k[s - q :] for k, s, q in zip(full_k, seq_lens, query_lens)])
+    new_v = torch.cat([v[s - q :] for v, s, q in zip(full_v, seq_lens, query_lens)])
     total = new_k.shape[0]
     pad = (num_tokens or total) - total
     new_k = torch.cat([new_k, torch.randn(pad, kv_heads, head_size, generator=g).to(dtype)])
     new_v = torch.cat([new_v, torch.randn(pad, kv_heads, head_size, generator=g).to(dtype)])
     query = torch.randn(total + pad, heads, head_size, generator=g).to(dtype)
-    return dict(md=md, kv=kv, full_k=full_k, full_v=full_v, new_k=new_k, new_v=new_v, query=query,
-                seq_lens=seq_lens, query_lens=query_lens)
+    return dict(
+        md=md,
+        kv=kv,
+        full_k=full_k,
+        full_v=full_v,
+        new_k=new_k,
+        new_v=new_v,
+        query=query,
+        seq_lens=seq_lens,
+        query_lens=query_lens,
+    )
 
 
 MIXED = dict(seq_lens=[9, 1, 20, 33, 5], query_lens=[9, 1, 1, 7, 5])  # prefill, decode, chunk
@@ -232,8 +268,8 @@ def test_unified_attention_matches_sdpa_reference(block_size, heads, kv_heads):
         out = ops.unified_attention(b["query"], b["new_k"], b["new_v"], "l0", kv_cache_dependency=dep)
     start = 0
     for s, q, k, v in zip(b["seq_lens"], b["query_lens"], b["full_k"], b["full_v"]):
-        want = ref_causal_attention(b["query"][start:start + q], k, v)
-        torch.testing.assert_close(out[start:start + q], want, atol=1e-5, rtol=1e-5)
+        want = ref_causal_attention(b["query"][start : start + q], k, v)
+        torch.testing.assert_close(out[start : start + q], want, atol=1e-5, rtol=1e-5)
         start += q
     assert torch.count_nonzero(out[start:]) == 0, "padding rows produce zeros"
 
@@ -254,8 +290,11 @@ def test_attention_from_forward_context_reads_the_layer_updated_last():
             for i, name in enumerate(layers):
                 k, v = b["new_k"] * (i + 1), b["new_v"] - i
                 dep = ops.unified_kv_cache_update(k, v)
-                got.append(ops.unified_attention(b["query"], k, v, name if how == "name" else "from_forward_context",
-                                                 kv_cache_dependency=dep))
+                got.append(
+                    ops.unified_attention(
+                        b["query"], k, v, name if how == "name" else "from_forward_context", kv_cache_dependency=dep
+                    )
+                )
         outs[how] = got
     for a, b_ in zip(outs["name"], outs["magic"]):
         torch.testing.assert_close(a, b_)
@@ -270,8 +309,8 @@ def test_unified_attention_low_precision(dtype):
         out = ops.unified_attention(b["query"], b["new_k"], b["new_v"], "l0", scale=0.3)
     start = 0
     for q, k, v in zip(b["query_lens"], b["full_k"], b["full_v"]):
-        want = ref_causal_attention(b["query"][start:start + q], k, v, scale=0.3)
-        torch.testing.assert_close(out[start:start + q], want, atol=2e-2, rtol=2e-2)
+        want = ref_causal_attention(b["query"][start : start + q], k, v, scale=0.3)
+        torch.testing.assert_close(out[start : start + q], want, atol=2e-2, rtol=2e-2)
         start += q
 
 
@@ -283,8 +322,8 @@ def test_unified_attention_sliding_window(window):
         out = ops.unified_attention(b["query"], b["new_k"], b["new_v"], "l0", sliding_window=window)
     start = 0
     for q, k, v in zip(b["query_lens"], b["full_k"], b["full_v"]):
-        want = ref_causal_attention(b["query"][start:start + q], k, v, sliding_window=window)
-        torch.testing.assert_close(out[start:start + q], want, atol=1e-5, rtol=1e-5)
+        want = ref_causal_attention(b["query"][start : start + q], k, v, sliding_window=window)
+        torch.testing.assert_close(out[start : start + q], want, atol=1e-5, rtol=1e-5)
         start += q
 
 
@@ -309,9 +348,10 @@ def test_softcap_and_sinks_match_the_reference(block_size, heads_kv, softcap, wi
         out = ops.unified_attention(b["query"], b["new_k"], b["new_v"], "l0", None, window, dep, softcap, sinks)
     start = 0
     for q, k, v in zip(b["query_lens"], b["full_k"], b["full_v"]):
-        want = ref_causal_attention(b["query"][start:start + q], k, v, sliding_window=window, softcap=softcap,
-                                    sinks=sinks)
-        torch.testing.assert_close(out[start:start + q], want, atol=1e-5, rtol=1e-5)
+        want = ref_causal_attention(
+            b["query"][start : start + q], k, v, sliding_window=window, softcap=softcap, sinks=sinks
+        )
+        torch.testing.assert_close(out[start : start + q], want, atol=1e-5, rtol=1e-5)
         start += q
 
 
@@ -328,11 +368,14 @@ def test_softcap_and_sinks_change_the_result():
     assert sunk.norm() < plain.norm()
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(softcap=0.0), "softcap must be positive, got 0"),
-    (dict(sinks=torch.zeros(3)), r"sinks must be \[num_heads\] = \[4\], got \[3\]"),
-    (dict(sinks=torch.zeros(4, dtype=torch.long)), "sinks must be floating point"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(softcap=0.0), "softcap must be positive, got 0"),
+        (dict(sinks=torch.zeros(3)), r"sinks must be \[num_heads\] = \[4\], got \[3\]"),
+        (dict(sinks=torch.zeros(4, dtype=torch.long)), "sinks must be floating point"),
+    ],
+)
 def test_softcap_and_sinks_errors(kwargs, message):
     b = batch(**MIXED, block_size=4, heads=4, kv_heads=2)
     with set_forward_context(b["md"], b["kv"]):
@@ -354,18 +397,29 @@ def mla_batch(block_size, heads=4, rank=16, rope=8, seed=0):
     md = build_attention_metadata(seq_lens, query_lens, tables, block_size)
     full_c = [torch.randn(s, rank, generator=g) for s in seq_lens]
     full_p = [torch.randn(s, rope, generator=g) for s in seq_lens]
-    ctx_md = build_attention_metadata([s - q for s, q in zip(seq_lens, query_lens)],
-                                      [s - q for s, q in zip(seq_lens, query_lens)], tables, block_size)
+    ctx_md = build_attention_metadata(
+        [s - q for s, q in zip(seq_lens, query_lens)], [s - q for s, q in zip(seq_lens, query_lens)], tables, block_size
+    )
     ops.reshape_and_cache(
         torch.cat([c[: s - q] for c, s, q in zip(full_c, seq_lens, query_lens)]).unsqueeze(1),
         torch.cat([p[: s - q] for p, s, q in zip(full_p, seq_lens, query_lens)]).unsqueeze(1),
-        ckv, kpe, ctx_md.slot_mapping)
-    new_c = torch.cat([c[s - q:] for c, s, q in zip(full_c, seq_lens, query_lens)])
-    new_p = torch.cat([p[s - q:] for p, s, q in zip(full_p, seq_lens, query_lens)])
+        ckv,
+        kpe,
+        ctx_md.slot_mapping,
+    )
+    new_c = torch.cat([c[s - q :] for c, s, q in zip(full_c, seq_lens, query_lens)])
+    new_p = torch.cat([p[s - q :] for p, s, q in zip(full_p, seq_lens, query_lens)])
     T = new_c.shape[0]
-    return dict(md=md, kv={"mla0": (ckv, kpe)}, full_c=full_c, full_p=full_p, new_c=new_c,
-                new_p=new_p, q_lat=torch.randn(T, heads, rank, generator=g),
-                q_pe=torch.randn(T, heads, rope, generator=g))
+    return dict(
+        md=md,
+        kv={"mla0": (ckv, kpe)},
+        full_c=full_c,
+        full_p=full_p,
+        new_c=new_c,
+        new_p=new_p,
+        q_lat=torch.randn(T, heads, rank, generator=g),
+        q_pe=torch.randn(T, heads, rope, generator=g),
+    )
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 64])
@@ -378,10 +432,10 @@ def test_unified_mla_matches_reference(block_size, k_pe_rank):
         out = ops.unified_mla_attention(b["q_lat"], b["q_pe"], "mla0", 0.25, dep)
     start = 0
     for q, c, p in zip(MIXED["query_lens"], b["full_c"], b["full_p"]):
-        query = torch.cat([b["q_lat"][start:start + q], b["q_pe"][start:start + q]], -1)
+        query = torch.cat([b["q_lat"][start : start + q], b["q_pe"][start : start + q]], -1)
         key = torch.cat([c, p], -1).unsqueeze(1)
         want = ref_causal_attention(query, key, c.unsqueeze(1), scale=0.25)
-        torch.testing.assert_close(out[start:start + q], want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[start : start + q], want, atol=1e-5, rtol=1e-5)
         start += q
 
 
@@ -395,8 +449,7 @@ def test_opcheck_unified_kv_cache_update():
         b = batch(**MIXED, block_size=block_size, layers=layers, num_tokens=24)
         with set_forward_context(b["md"], b["kv"]):
             for name in ("l3", "from_forward_context"):
-                torch.library.opcheck(torch.ops.qaic.unified_kv_cache_update.default,
-                                      (b["new_k"], b["new_v"], name))
+                torch.library.opcheck(torch.ops.qaic.unified_kv_cache_update.default, (b["new_k"], b["new_v"], name))
 
 
 def test_opcheck_unified_attention():
@@ -404,14 +457,19 @@ def test_opcheck_unified_attention():
         b = batch(**MIXED, block_size=block_size, heads=heads, kv_heads=kv_heads)
         with set_forward_context(b["md"], b["kv"]):
             dep = ops.unified_kv_cache_update(b["new_k"], b["new_v"], "l0")
-            torch.library.opcheck(torch.ops.qaic.unified_attention.default,
-                                  (b["query"], b["new_k"], b["new_v"], "l0"),
-                                  {"scale": 0.5, "kv_cache_dependency": dep})
-            torch.library.opcheck(torch.ops.qaic.unified_attention.default,
-                                  (b["query"], b["new_k"], b["new_v"], "l0", None, 3))
-            torch.library.opcheck(torch.ops.qaic.unified_attention.default,
-                                  (b["query"], b["new_k"], b["new_v"], "l0"),
-                                  {"softcap": 20.0, "sinks": torch.randn(heads)})
+            torch.library.opcheck(
+                torch.ops.qaic.unified_attention.default,
+                (b["query"], b["new_k"], b["new_v"], "l0"),
+                {"scale": 0.5, "kv_cache_dependency": dep},
+            )
+            torch.library.opcheck(
+                torch.ops.qaic.unified_attention.default, (b["query"], b["new_k"], b["new_v"], "l0", None, 3)
+            )
+            torch.library.opcheck(
+                torch.ops.qaic.unified_attention.default,
+                (b["query"], b["new_k"], b["new_v"], "l0"),
+                {"softcap": 20.0, "sinks": torch.randn(heads)},
+            )
 
 
 def test_opcheck_mla_ops():
@@ -419,10 +477,8 @@ def test_opcheck_mla_ops():
         b = mla_batch(block_size)
         with set_forward_context(b["md"], b["kv"]):
             for k_pe in (b["new_p"], b["new_p"].unsqueeze(1)):
-                torch.library.opcheck(torch.ops.qaic.unified_mla_kv_cache_update.default,
-                                      (b["new_c"], k_pe, "mla0"))
-            torch.library.opcheck(torch.ops.qaic.unified_mla_attention.default,
-                                  (b["q_lat"], b["q_pe"], "mla0", 0.125))
+                torch.library.opcheck(torch.ops.qaic.unified_mla_kv_cache_update.default, (b["new_c"], k_pe, "mla0"))
+            torch.library.opcheck(torch.ops.qaic.unified_mla_attention.default, (b["q_lat"], b["q_pe"], "mla0", 0.125))
 
 
 def test_unified_ops_trace_without_a_context():
@@ -442,7 +498,8 @@ def test_unified_ops_trace_without_a_context():
 
     with FakeTensorMode():
         out = torch.compile(layer, backend=capture, fullgraph=True)(
-            torch.empty(5, 4, 8), torch.empty(5, 2, 8), torch.empty(5, 2, 8))
+            torch.empty(5, 4, 8), torch.empty(5, 2, 8), torch.empty(5, 2, 8)
+        )
     assert out.shape == (5, 4, 8)
     targets = {str(n.target) for n in gm_holder[0].graph.nodes if n.op == "call_function"}
     assert {"qaic.unified_kv_cache_update", "qaic.unified_attention"} <= targets
@@ -451,16 +508,26 @@ def test_unified_ops_trace_without_a_context():
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda b: ops.unified_attention(b["query"][:, :3], b["new_k"], b["new_v"], "l0"),
-         "3 query heads are not a multiple of 2 kv heads"),
-        (lambda b: ops.unified_attention(b["query"], b["new_k"], b["new_v"], "from_forward_context"),
-         "before any 'from_forward_context' KV-cache update ran in this forward pass"),
-        (lambda b: ops.unified_attention(b["query"].half(), b["new_k"], b["new_v"], "l0"),
-         "query is Half but the KV cache is Float"),
-        (lambda b: ops.unified_kv_cache_update(b["new_k"][:, :1], b["new_v"][:, :1], "l0"),
-         "key has 1 kv heads but key_cache has 2"),
-        (lambda b: ops.unified_mla_kv_cache_update(b["new_k"], b["new_v"], "l0"),
-         "kv_c_normed must be [num_tokens, dim] or [num_tokens, 1, dim]"),
+        (
+            lambda b: ops.unified_attention(b["query"][:, :3], b["new_k"], b["new_v"], "l0"),
+            "3 query heads are not a multiple of 2 kv heads",
+        ),
+        (
+            lambda b: ops.unified_attention(b["query"], b["new_k"], b["new_v"], "from_forward_context"),
+            "before any 'from_forward_context' KV-cache update ran in this forward pass",
+        ),
+        (
+            lambda b: ops.unified_attention(b["query"].half(), b["new_k"], b["new_v"], "l0"),
+            "query is Half but the KV cache is Float",
+        ),
+        (
+            lambda b: ops.unified_kv_cache_update(b["new_k"][:, :1], b["new_v"][:, :1], "l0"),
+            "key has 1 kv heads but key_cache has 2",
+        ),
+        (
+            lambda b: ops.unified_mla_kv_cache_update(b["new_k"], b["new_v"], "l0"),
+            "kv_c_normed must be [num_tokens, dim] or [num_tokens, 1, dim]",
+        ),
     ],
 )
 def test_unified_op_errors(call, message):
@@ -472,11 +539,14 @@ def test_unified_op_errors(call, message):
 
 
 @pytest.mark.parametrize("query_lens", [[1], [2]], ids=["decode", "prefill"])
-@pytest.mark.parametrize("value_cache, message", [
-    (torch.zeros(1, 1, 16, 8), r"the layer's caches disagree: \[64, 4, 16, 8\] and \[1, 1, 16, 8\]"),
-    (torch.zeros(64, 4, 8, 8), r"the layer's caches disagree: \[64, 4, 16, 8\] and \[64, 4, 8, 8\]"),
-    (torch.zeros(64, 4, 16, 8, dtype=torch.float64), "the layer's caches disagree: Float on cpu and Double on cpu"),
-])
+@pytest.mark.parametrize(
+    "value_cache, message",
+    [
+        (torch.zeros(1, 1, 16, 8), r"the layer's caches disagree: \[64, 4, 16, 8\] and \[1, 1, 16, 8\]"),
+        (torch.zeros(64, 4, 8, 8), r"the layer's caches disagree: \[64, 4, 16, 8\] and \[64, 4, 8, 8\]"),
+        (torch.zeros(64, 4, 16, 8, dtype=torch.float64), "the layer's caches disagree: Float on cpu and Double on cpu"),
+    ],
+)
 def test_attention_refuses_a_value_cache_that_disagrees_with_the_key_cache(query_lens, value_cache, message):
     """The decode kernel reads the value cache with the key cache's block layout: a
     smaller value cache was read past its end (garbage, or a crash)."""
@@ -495,8 +565,11 @@ def test_mla_attention_checks_each_query_part_against_its_cache():
     with set_forward_context(b["md"], b["kv"]):
         ops.unified_mla_kv_cache_update(b["new_c"], b["new_p"], "mla0")
         q = torch.cat([b["q_lat"], b["q_pe"]], -1)
-        with pytest.raises(RuntimeError, match=r"q_latent width 17 / q_pe width 7 do not match layer 'mla0' caches: "
-                                               r"compressed_kv width 16 / k_pe width 8"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"q_latent width 17 / q_pe width 7 do not match layer 'mla0' caches: "
+            r"compressed_kv width 16 / k_pe width 8",
+        ):
             ops.unified_mla_attention(q[..., :17], q[..., 17:], "mla0", 0.1)
 
 
@@ -504,6 +577,7 @@ def test_mla_attention_checks_each_query_part_against_its_cache():
 def test_an_update_whose_token_is_unused_still_writes(backend):
     """The updates' schemas name no cache, so FX took them for pure: under aot_eager an
     update whose dependency token nothing reads was removed as dead code."""
+
     def f(k, v):
         ops.unified_kv_cache_update(k, v, "from_forward_context")  # token dropped
         return k * 2
@@ -534,4 +608,6 @@ def test_long_decode_rows_past_the_serial_threshold_match_the_reference():
         ops.unified_kv_cache_update(b["new_k"], b["new_v"])
         out = ops.unified_attention(b["query"], b["new_k"], b["new_v"], "l0")
     for i, (k, v) in enumerate(zip(b["full_k"], b["full_v"])):
-        torch.testing.assert_close(out[i:i + 1], ref_causal_attention(b["query"][i:i + 1], k, v), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            out[i : i + 1], ref_causal_attention(b["query"][i : i + 1], k, v), atol=1e-5, rtol=1e-5
+        )

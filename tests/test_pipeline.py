@@ -69,8 +69,10 @@ def test_loading_artifacts_imports_no_exporter():
 def test_op_registry_is_the_one_source():
     assert DEFAULT_SPLITTING_OPS == splitting_ops() == ("qaic::unified_attention", "qaic::unified_mla_attention")
     updates = {name: op.retained_state for name, op in QAIC_OPS.items() if op.role is OpRole.KV_CACHE_UPDATE}
-    assert updates == {"qaic::unified_kv_cache_update": ("past_key", "past_value"),
-                       "qaic::unified_mla_kv_cache_update": ("compressed_kv", "k_pe")}
+    assert updates == {
+        "qaic::unified_kv_cache_update": ("past_key", "past_value"),
+        "qaic::unified_mla_kv_cache_update": ("compressed_kv", "k_pe"),
+    }
     scatter = QAIC_OPS["qaic::kv_cache_scatter"]
     assert scatter.role is OpRole.RETAINED_STATE_SCATTER and scatter.onnx_function == "KVCacheScatter"
     assert all(QAIC_OPS[op.lowers_to] is scatter for op in QAIC_OPS.values() if op.role is OpRole.KV_CACHE_UPDATE)
@@ -102,10 +104,21 @@ def test_kv_cache_scatter_op(sample):
     assert torch.equal(new_k, want_k) and torch.equal(new_v, want_v)
 
 
-@pytest.mark.parametrize("text, ok", [
-    ("S0**2 + 3*S1", True), ("Max(S0, 2)", True), ("S0 <= 10", False),  # a relation only where one is wanted
-    ("(S0 + 1)**2", True), ("S0**999", False), ("9**9**9**9", False), ("S0**2**9", False), ("S0**S1", False), ("1" * 21, False), ("__import__('os')", False),
-])
+@pytest.mark.parametrize(
+    "text, ok",
+    [
+        ("S0**2 + 3*S1", True),
+        ("Max(S0, 2)", True),
+        ("S0 <= 10", False),  # a relation only where one is wanted
+        ("(S0 + 1)**2", True),
+        ("S0**999", False),
+        ("9**9**9**9", False),
+        ("S0**2**9", False),
+        ("S0**S1", False),
+        ("1" * 21, False),
+        ("__import__('os')", False),
+    ],
+)
 def test_size_expressions_are_small_arithmetic(text, ok):
     # sympy evaluates while it parses: 9**9**9**9 from a writable cache dir hung the compile.
     from qaic_dynamo.artifact import check_size_expression
@@ -122,7 +135,9 @@ def test_layout_rejects_other_formats():
     layout = PieceLayout(inputs=[], outputs=[], leaves=[], out_spec="", symbols={}, kv_updates=[], num_args=0)
     assert PieceLayout.from_json(layout.to_json()) == layout
     data = json.loads(layout.to_json())
-    with pytest.raises(ArtifactError, match=f"layout format 1; this version of qaic_dynamo reads format {LAYOUT_FORMAT}"):
+    with pytest.raises(
+        ArtifactError, match=f"layout format 1; this version of qaic_dynamo reads format {LAYOUT_FORMAT}"
+    ):
         PieceLayout.from_json(json.dumps({k: v for k, v in data.items() if k != "format"}))
     with pytest.raises(ArtifactError, match=r"unknown keys \['surprise'\]"):
         PieceLayout.from_json(json.dumps(dict(data, surprise=1)))
@@ -185,8 +200,9 @@ def _swapped_inputs(layout: dict) -> dict:
     return dict(layout, inputs=inputs)
 
 
-@pytest.mark.parametrize("damage", ["older_format", "unknown_key", "not_json", "code_in_a_size", "code_in_an_assumption",
-                                    "swapped_inputs"])
+@pytest.mark.parametrize(
+    "damage", ["older_format", "unknown_key", "not_json", "code_in_a_size", "code_in_an_assumption", "swapped_inputs"]
+)
 def test_an_unreadable_layout_is_recompiled_with_a_warning(damage, caplog):
     """A layout that cannot be read, or that does not describe its model (inputs it would
     bind by the wrong names), is a miss; a size that is not an expression is never parsed
@@ -196,24 +212,28 @@ def test_an_unreadable_layout_is_recompiled_with_a_warning(damage, caplog):
     report = last_compile_report()
     entry = Path(report.pieces[0].artifact)
     layout = json.loads((entry / LAYOUT_FILE).read_text())
-    text = {"older_format": lambda: json.dumps({k: v for k, v in layout.items() if k != "format"}),
-            "unknown_key": lambda: json.dumps(dict(layout, added_later=True)),
-            "not_json": lambda: "{",
-            "code_in_a_size": lambda: json.dumps(_code_in_a_size(layout)),
-            "code_in_an_assumption": lambda: json.dumps(dict(layout, size_assumptions=["__import__('os').getpid() > 0"])),
-            "swapped_inputs": lambda: json.dumps(_swapped_inputs(layout))}[damage]()
+    text = {
+        "older_format": lambda: json.dumps({k: v for k, v in layout.items() if k != "format"}),
+        "unknown_key": lambda: json.dumps(dict(layout, added_later=True)),
+        "not_json": lambda: "{",
+        "code_in_a_size": lambda: json.dumps(_code_in_a_size(layout)),
+        "code_in_an_assumption": lambda: json.dumps(dict(layout, size_assumptions=["__import__('os').getpid() > 0"])),
+        "swapped_inputs": lambda: json.dumps(_swapped_inputs(layout)),
+    }[damage]()
     _rewrite_entry_file(entry, LAYOUT_FILE, text)
     torch._dynamo.reset()
     artifact_cache.clear_memory()
     with compilation_counter.expect(num_backend_compilations=1, num_disk_cache_hits=2):
         out = run_steps(model, torch.compile(model, backend="qaic"), steps=1)
     assert "does not load" in caplog.text and "recompiling it" in caplog.text
-    reason = {"older_format": f"layout format 1; this version of qaic_dynamo reads format {LAYOUT_FORMAT}",
-              "unknown_key": "unknown keys ['added_later']",
-              "not_json": "not JSON",
-              "code_in_a_size": "is not a size expression (at '__import__')",
-              "code_in_an_assumption": "a size assumption \"__import__('os').getpid() > 0\" is not a size expression",
-              "swapped_inputs": "names the inputs"}[damage]
+    reason = {
+        "older_format": f"layout format 1; this version of qaic_dynamo reads format {LAYOUT_FORMAT}",
+        "unknown_key": "unknown keys ['added_later']",
+        "not_json": "not JSON",
+        "code_in_a_size": "is not a size expression (at '__import__')",
+        "code_in_an_assumption": "a size assumption \"__import__('os').getpid() > 0\" is not a size expression",
+        "swapped_inputs": "names the inputs",
+    }[damage]
     assert reason in caplog.text
     ref = run_steps(model, model, steps=1)
     assert [o.argmax(-1).tolist() for o in out] == [r.argmax(-1).tolist() for r in ref]
@@ -243,8 +263,10 @@ def test_fallback_error_after_an_eager_fallback_still_raises():
         torch.compile(model, backend="qaic")(x)
     assert last_compile_report().pieces[0].source is Source.FAILED
     torch._dynamo.reset()  # the failure stays remembered in the artifact cache
-    with pytest.raises(BackendCompilerFailed, match="remembered from an identical piece compiled earlier") as e, \
-            torch.no_grad():
+    with (
+        pytest.raises(BackendCompilerFailed, match="remembered from an identical piece compiled earlier") as e,
+        torch.no_grad(),
+    ):
         torch.compile(model, backend="qaic", options={"fallback": "error"})(x)
     assert "cannot bind out0 (uint8)" in str(e.value)
 
@@ -288,8 +310,12 @@ def test_a_strided_kv_cache_is_a_clear_error():
         wide = torch.zeros(k.shape[0], k.shape[1], 2 * k.shape[2], k.shape[3])
         driver.caches[name] = (wide[:, :, ::2], v)  # right shape, wrong strides
     compiled = torch.compile(model, backend="qaic")  # the default fallback must not hide it
-    with pytest.raises(CacheLayoutError, match=r"KV cache of layer 'model.layers.0.self_attn' is not contiguous.*\.contiguous\(\)"), \
-            torch.no_grad():
+    with (
+        pytest.raises(
+            CacheLayoutError, match=r"KV cache of layer 'model.layers.0.self_attn' is not contiguous.*\.contiguous\(\)"
+        ),
+        torch.no_grad(),
+    ):
         driver.step(compiled, PROMPTS)
 
 
@@ -495,12 +521,16 @@ def _fake_graph(module, *shapes, dynamic=False):
     return gm, fakes
 
 
-@pytest.mark.parametrize("module, shapes, want", [
-    (DeadCodeOnly(), [(4, 3)], lambda x: ()),
-    (PassThrough(), [(2,), (3,)], lambda x, y: (y, x)),
-    (ConstantsOnly(), [(2,)], lambda x: (3, 1.5, x.new_ones(2, 3))),
-    (SizeOnly(), [(5, 2)], lambda x: (10,)),
-], ids=["dead-code", "pass-through", "constants", "size"])
+@pytest.mark.parametrize(
+    "module, shapes, want",
+    [
+        (DeadCodeOnly(), [(4, 3)], lambda x: ()),
+        (PassThrough(), [(2,), (3,)], lambda x, y: (y, x)),
+        (ConstantsOnly(), [(2,)], lambda x: (3, 1.5, x.new_ones(2, 3))),
+        (SizeOnly(), [(5, 2)], lambda x: (10,)),
+    ],
+    ids=["dead-code", "pass-through", "constants", "size"],
+)
 def test_degenerate_pieces_lower_without_warnings(module, shapes, want):
     gm, fakes = _fake_graph(module, *shapes)
     config = CompilationConfig(fallback="error", cache=False)
@@ -561,8 +591,9 @@ def test_a_tensor_constant_is_lowered_directly(dtype):
         return x * torch.tensor([1.5, -2.25], dtype=dtype) + torch.cat([torch.tensor([], dtype=dtype), x[0]])
 
     x = torch.randn(3, 2, dtype=dtype)
-    with compilation_counter.expect(num_backend_compilations=1, num_onnx_exports=1, num_exporter_fallbacks=0,
-                                    num_eager_fallbacks=0):
+    with compilation_counter.expect(
+        num_backend_compilations=1, num_onnx_exports=1, num_exporter_fallbacks=0, num_eager_fallbacks=0
+    ):
         out = torch.compile(fn, backend="qaic", options={"fallback": "error"})(x)
     if dtype == torch.float16:
         # ONNX Runtime's CPU runs float16 Mul/Add in float32 and drops the casts between
@@ -595,7 +626,11 @@ def test_pieces_take_dynamos_fake_values_which_equal_fake_tensor_propagation(mon
         for node, val in taken.items():
             want = node.meta["val"]
             if isinstance(want, torch.Tensor):
-                assert (str(val.shape), val.dtype, str(val.stride())) == (str(want.shape), want.dtype, str(want.stride())), node
+                assert (str(val.shape), val.dtype, str(val.stride())) == (
+                    str(want.shape),
+                    want.dtype,
+                    str(want.stride()),
+                ), node
             else:
                 assert str(val) == str(want), node
         seen.append(len(taken))
@@ -631,8 +666,10 @@ def test_a_recompile_with_the_eps_as_an_input_is_compiled_per_value(path, reques
         torch.manual_seed(0)
         model = QaicLlamaForCausalLM(QaicLlamaConfig(num_hidden_layers=2, rms_norm_eps=eps)).eval()
         exported = 3 if path == "exporter" else 0  # first, middle, last: each compile lowers its own
-        with warnings.catch_warnings(record=True) as record, \
-                compilation_counter.expect(num_eager_fallbacks=0, num_exporter_fallbacks=exported):
+        with (
+            warnings.catch_warnings(record=True) as record,
+            compilation_counter.expect(num_eager_fallbacks=0, num_exporter_fallbacks=exported),
+        ):
             warnings.simplefilter("always")
             got = run_steps(model, torch.compile(model, backend="qaic"), steps=1)
         caught.append([str(w.message) for w in record])
@@ -663,7 +700,9 @@ def test_an_output_that_is_an_input_keeps_the_input_named():
     onnx.checker.check_model(model, full_check=True)
     assert [i.name for i in model.graph.input] == ["x", "y"]
     assert [o.name for o in model.graph.output] == ["a", "b", "c"]
-    a, b, c = ort.InferenceSession(model.SerializeToString()).run(None, {"x": example[0].numpy(), "y": example[1].numpy()})
+    a, b, c = ort.InferenceSession(model.SerializeToString()).run(
+        None, {"x": example[0].numpy(), "y": example[1].numpy()}
+    )
     torch.testing.assert_close(torch.from_numpy(a), example[0])
     torch.testing.assert_close(torch.from_numpy(b), example[1] + 1)
     torch.testing.assert_close(torch.from_numpy(c), example[1] + 1)
@@ -722,8 +761,10 @@ def test_registry_matches_from_torchlib():
     ours, reference = onnx_registry(18), ONNXRegistry.from_torchlib(opset_version=18)
 
     def table(registry):
-        return {target: [(m.onnx_function, m.is_complex, m.is_custom) for m in metas]
-                for target, metas in registry.functions.items()}
+        return {
+            target: [(m.onnx_function, m.is_complex, m.is_custom) for m in metas]
+            for target, metas in registry.functions.items()
+        }
 
     theirs, mine = table(reference), table(ours)
     qaic = {t for t in mine if str(t).startswith("qaic::")}
@@ -754,16 +795,23 @@ def test_deferred_script_functions_equal_onnxscripts_own():
         # where this must not happen again.
         assert not os.environ.get("QAIC_TEST_DEFERRAL_CHILD"), "the fresh process imported the library eagerly"
         test = f"{__file__}::test_deferred_script_functions_equal_onnxscripts_own"
-        child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
-                               capture_output=True, text=True, timeout=300,
-                               env={**os.environ, "QAIC_TEST_DEFERRAL_CHILD": "1"})
+        child = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "QAIC_TEST_DEFERRAL_CHILD": "1"},
+        )
         assert child.returncode == 0 and "1 passed" in child.stdout, child.stdout[-3000:]
         return
     # The wrappers are onnxscript's own again once the library is imported.
     assert onnxscript.values.TracedOnnxFunction is not deferred_signature_traced_function_class()
     assert onnxscript.script.__module__ == "onnxscript._internal.main"
-    functions = {id(f): f for overloads in registration.default_registry.values()
-                 for f in overloads.overloads + overloads.complex}
+    functions = {
+        id(f): f
+        for overloads in registration.default_registry.values()
+        for f in overloads.overloads + overloads.complex
+    }
     functions.update((id(f), f) for f in vars(common).values() if isinstance(f, onnxscript.OnnxFunction))
     scripted = [f for f in functions.values() if isinstance(f, deferred_script_function_class())]
     traced = [f for f in functions.values() if isinstance(f, deferred_signature_traced_function_class())]
@@ -865,7 +913,8 @@ def test_decompositions_are_the_exporters_without_its_composite_implicit_entries
 
     onnx_decomp = torch_onnx_internals().decomp
     full = onnx_decomp.create_onnx_friendly_decomposition_table(
-        set(onnx_decomp.get_onnx_implemented_overloads(onnx_registry(18))))
+        set(onnx_decomp.get_onnx_implemented_overloads(onnx_registry(18)))
+    )
     from qaic_dynamo.lowering import TORCH_SEMANTICS
 
     # Beside them, a few of our own where the translation differs from eager (tested in
@@ -892,14 +941,17 @@ def test_op_signatures_are_inferred_for_the_ops_a_graph_uses_and_equal_the_eager
     registry = build_onnx_registry(18)  # a fresh one: another test may have inferred all of the cached one's
     graph = fx.Graph()
     x = graph.placeholder("x")
-    graph.output(graph.call_function(torch.ops.aten.gelu.default, (graph.call_function(torch.ops.aten.mul.Tensor, (x, x)),)))
+    graph.output(
+        graph.call_function(torch.ops.aten.gelu.default, (graph.call_function(torch.ops.aten.mul.Tensor, (x, x)),))
+    )
     used = [m for t in (torch.ops.aten.mul.Tensor, torch.ops.aten.gelu.default) for m in registry.get_decomps(t)]
     untouched = [m for m in registry.get_decomps(torch.ops.aten.bitwise_xor.Tensor) if m.signature is None]
     assert used and untouched
     infer_op_signatures(registry, [graph])
     for meta in used:
-        eager = OnnxDecompMeta(onnx_function=meta.onnx_function, fx_target=meta.fx_target, signature=None,
-                               is_complex=meta.is_complex)
+        eager = OnnxDecompMeta(
+            onnx_function=meta.onnx_function, fx_target=meta.fx_target, signature=None, is_complex=meta.is_complex
+        )
         assert meta.signature is not None and meta.signature == eager.signature, meta.onnx_function
     assert all(m.signature is None and m.skip_signature_inference for m in untouched)
 
@@ -911,8 +963,12 @@ def test_without_the_direct_path_the_exporter_lowers_every_piece_with_one_warnin
     torch_2_13.torch_onnx_internals.cache_clear()
     try:
         model = llama()
-        with pytest.warns(RuntimeWarning, match=r"public torch.onnx exporter \(slower\): torch .* is not the tested 0.0.0"), \
-                compilation_counter.expect(num_backend_compilations=3, num_exporter_fallbacks=3):
+        with (
+            pytest.warns(
+                RuntimeWarning, match=r"public torch.onnx exporter \(slower\): torch .* is not the tested 0.0.0"
+            ),
+            compilation_counter.expect(num_backend_compilations=3, num_exporter_fallbacks=3),
+        ):
             out = run_steps(model, torch.compile(model, backend="qaic", options={"fallback": "error"}), steps=1)
         lowered = [p for p in last_compile_report().pieces if p.source is Source.LOWERED]
         assert len(lowered) == 3 and all("no direct path on torch" in p.exporter_fallback for p in lowered)
@@ -971,6 +1027,7 @@ def test_the_direct_path_refuses_a_trace_that_specialises_a_dynamic_size():
 def test_a_size_expression_input_is_computed_from_tensor_dims():
     """A piece may receive a size that is an expression of a tensor's dims (an MoE layer's
     tokens x top-k): it is computed from those dims in the ONNX, not an eager fallback."""
+
     def f(x):
         x = x + 1
         n = x.shape[0] * 2 + 1  # computed before the split, used after it
@@ -978,8 +1035,9 @@ def test_a_size_expression_input_is_computed_from_tensor_dims():
         return torch.ones(n) * z.sum()
 
     with compilation_counter.expect(num_backend_compilations=2, num_eager_fallbacks=0):
-        c = torch.compile(f, backend="qaic", options={"splitting_ops": ["aten::relu"], "fallback": "error"},
-                          dynamic=True)
+        c = torch.compile(
+            f, backend="qaic", options={"splitting_ops": ["aten::relu"], "fallback": "error"}, dynamic=True
+        )
         for n in (5, 7):
             x = torch.randn(n, 3)
             out = c(x)
@@ -996,14 +1054,24 @@ def _promotion_cases():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).eval()
 
     state = {**dict(llama.named_parameters()), **dict(llama.named_buffers())}
     names = list(state)
 
     def hf_llama(x, i, h, *params):  # weights are inputs, as the export's trace has them
-        return torch.func.functional_call(llama, dict(zip(names, params)), (), {"input_ids": i, "use_cache": False}).logits
+        return torch.func.functional_call(
+            llama, dict(zip(names, params)), (), {"input_ids": i, "use_cache": False}
+        ).logits
 
     example = [torch.randn(3, 5, 4), torch.randint(0, 5, (3, 5)), torch.randn(3, 5, 4).half()]
     dims = [{0: "b", 1: "s"}] * 3
@@ -1021,14 +1089,16 @@ def test_selective_type_promotion_gives_the_exporters_graph(monkeypatch, case):
     fn, example, dims = _promotion_cases()[case]
     with torch.no_grad():
         selective = aten_trace.aten_graph(fn, example, dims, 18)
-        monkeypatch.setattr(aten_trace, "insert_type_promotion",
-                            torch_onnx_internals().fx_passes.insert_type_promotion_nodes)
+        monkeypatch.setattr(
+            aten_trace, "insert_type_promotion", torch_onnx_internals().fx_passes.insert_type_promotion_nodes
+        )
         full = aten_trace.aten_graph(fn, example, dims, 18)
     casts = [n for n in full.graph.nodes if n.target is torch.ops.prims.convert_element_type.default]
     assert casts, "the case must need promotion, or it tests nothing"
     assert selective.code == full.code
-    assert [str(n.meta["val"]) for n in selective.graph.nodes if "val" in n.meta] == \
-        [str(n.meta["val"]) for n in full.graph.nodes if "val" in n.meta]
+    assert [str(n.meta["val"]) for n in selective.graph.nodes if "val" in n.meta] == [
+        str(n.meta["val"]) for n in full.graph.nodes if "val" in n.meta
+    ]
 
 
 def test_op_signatures_are_memoized_only_while_translating():

@@ -42,28 +42,51 @@ def build(family: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor], dict[s
         model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4))
         return model, dict(input_ids=ids[:, :12], use_cache=False), dict(input_ids=ids, use_cache=False)
     if family == "gptj":  # decoders LLM refuses (attention outside transformers' interface)
-        model = T.GPTJForCausalLM(T.GPTJConfig(vocab_size=256, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
-                                               bos_token_id=1, eos_token_id=2))
+        model = T.GPTJForCausalLM(
+            T.GPTJConfig(vocab_size=256, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, bos_token_id=1, eos_token_id=2)
+        )
         return model, dict(input_ids=ids[:, :12], use_cache=False), dict(input_ids=ids, use_cache=False)
     if family == "falcon":
-        model = T.FalconForCausalLM(T.FalconConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2,
-                                                   num_attention_heads=4))
+        model = T.FalconForCausalLM(
+            T.FalconConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+        )
         return model, dict(input_ids=ids[:, :12], use_cache=False), dict(input_ids=ids, use_cache=False)
     if family == "t5":
-        model = T.T5ForConditionalGeneration(T.T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2,
-                                                        num_heads=4))
+        model = T.T5ForConditionalGeneration(
+            T.T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4)
+        )
         dec = torch.randint(0, 256, (2, 7))
-        return (model, dict(input_ids=ids[:, :12], decoder_input_ids=dec[:, :5], use_cache=False),
-                dict(input_ids=ids, decoder_input_ids=dec, use_cache=False))
+        return (
+            model,
+            dict(input_ids=ids[:, :12], decoder_input_ids=dec[:, :5], use_cache=False),
+            dict(input_ids=ids, decoder_input_ids=dec, use_cache=False),
+        )
     if family == "whisper":
-        model = T.WhisperModel(T.WhisperConfig(
-            vocab_size=256, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16,
-            max_source_positions=16, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1))
+        model = T.WhisperModel(
+            T.WhisperConfig(
+                vocab_size=256,
+                d_model=64,
+                encoder_layers=2,
+                decoder_layers=2,
+                encoder_attention_heads=4,
+                decoder_attention_heads=4,
+                encoder_ffn_dim=128,
+                decoder_ffn_dim=128,
+                num_mel_bins=16,
+                max_source_positions=16,
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=2,
+                decoder_start_token_id=1,
+            )
+        )
         features = torch.randn(2, 16, 32)  # the encoder takes exactly 2 x max_source_positions frames
         dec = torch.randint(0, 256, (2, 7))
-        return (model, dict(input_features=features, decoder_input_ids=dec[:, :5], use_cache=False),
-                dict(input_features=features, decoder_input_ids=dec, use_cache=False))
+        return (
+            model,
+            dict(input_features=features, decoder_input_ids=dec[:, :5], use_cache=False),
+            dict(input_features=features, decoder_input_ids=dec, use_cache=False),
+        )
     raise AssertionError(family)
 
 
@@ -73,17 +96,21 @@ def main_output(out) -> torch.Tensor:
 
 FAST = ["bert", "vit", "gpt2"]
 SLOW = ["roberta", "distilbert", "clip_text", "gptj", "falcon", "t5", "whisper"]  # 2-9 s each on 2 cores
-CASES = ([pytest.param(f, torch.float32, id=f"{f}-float32") for f in FAST]
-         + [pytest.param(f, torch.float16, id=f"{f}-float16") for f in FAST]
-         + [pytest.param(f, torch.float32, id=f"{f}-float32", marks=pytest.mark.slow) for f in SLOW])
+CASES = (
+    [pytest.param(f, torch.float32, id=f"{f}-float32") for f in FAST]
+    + [pytest.param(f, torch.float16, id=f"{f}-float16") for f in FAST]
+    + [pytest.param(f, torch.float32, id=f"{f}-float32", marks=pytest.mark.slow) for f in SLOW]
+)
 
 
 @pytest.mark.parametrize("family, dtype", CASES)
 def test_plain_compile_of_models_without_qaic_ops_matches_eager(family, dtype):
     model, first, second = build(family)
     model = model.to(dtype).eval()
-    first, second = ({k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-                      for k, v in inputs.items()} for inputs in (first, second))
+    first, second = (
+        {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
+        for inputs in (first, second)
+    )
     # float32: ONNX Runtime's kernels against eager's (observed <= 2e-6); float16: a
     # couple of float16 ulps at these magnitudes (observed <= 0.004)
     atol = 1e-4 if dtype == torch.float32 else 1e-2

@@ -23,8 +23,9 @@ PROMPTS = [[3, 14, 15, 92, 65], [35, 89], [79, 32, 38, 46, 26, 43, 38]]
 
 def llama(layers, **kw):
     torch.manual_seed(0)
-    cfg = dict(num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-               num_key_value_heads=2)
+    cfg = dict(
+        num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2
+    )
     cfg.update(kw)
     return QaicLlamaForCausalLM(QaicLlamaConfig(**cfg)).eval()
 
@@ -58,9 +59,19 @@ def test_a_model_dimension_that_equals_the_batch_is_not_made_dynamic():
     a symbol, and the block's piece failed to lower (it ran eagerly)."""
     from qaic_dynamo.models import hf_config, hf_model_from_config
 
-    model = hf_model_from_config(hf_config(dict(model_type="gpt_neox", vocab_size=256, num_hidden_layers=2,
-                                                hidden_size=64, num_attention_heads=4, intermediate_size=128,
-                                                max_position_embeddings=256)))
+    model = hf_model_from_config(
+        hf_config(
+            dict(
+                model_type="gpt_neox",
+                vocab_size=256,
+                num_hidden_layers=2,
+                hidden_size=64,
+                num_attention_heads=4,
+                intermediate_size=128,
+                max_position_embeddings=256,
+            )
+        )
+    )
     prompts = [[5, 6, 7], [6, 6, 7], [7, 6, 7], [8, 6, 7]]
     llm = LLM(model, max_num_seqs=4, max_model_len=64)
     with compilation_counter.expect(
@@ -79,8 +90,9 @@ def test_regional_matches_whole_model_and_eager_logits():
         outs[name] = engine(model, **kw).generate_outputs(PROMPTS, 5, return_logits=True)
     for name in ("whole", "regional"):
         assert [o.token_ids for o in outs[name]] == [o.token_ids for o in outs["eager"]]
-        diff = max((a - b).abs().max().item() for o, r in zip(outs[name], outs["eager"])
-                   for a, b in zip(o.logits, r.logits))
+        diff = max(
+            (a - b).abs().max().item() for o, r in zip(outs[name], outs["eager"]) for a, b in zip(o.logits, r.logits)
+        )
         assert diff < 1e-4, (name, diff)
 
 
@@ -270,7 +282,7 @@ def test_a_block_runner_keeps_every_layers_weights_bound(L):
     block = next(r for rep in compile_reports()[before:] for r in rep.runners() if r.artifact.layout.kv_updates)
     bound = block.bound_inputs()
     assert sorted(bound) == list(range(L))  # one binding per layer
-    (_, blocks), = find_repeated_blocks(llm.model)  # the CompiledRegion wrappers
+    ((_, blocks),) = find_repeated_blocks(llm.model)  # the CompiledRegion wrappers
     layers = [dict(m.named_parameters()) for m in blocks]
     owner = {p.data_ptr(): i for i, params in enumerate(layers) for p in params.values()}
     for slot, inputs in bound.items():
@@ -422,7 +434,6 @@ def test_blocks_run_dynamos_code_after_its_guards_pass():
     assert torch.equal(again, got)
 
 
-
 def test_a_block_runs_only_entries_of_its_own_backend():
     """Two models of one block class share the block's code object, so Dynamo's cache
     holds both compiles' entries. A block compiled with other options (another backend,
@@ -453,6 +464,7 @@ def test_a_block_runs_only_entries_of_its_own_backend():
     torch.testing.assert_close(got, ref(x))
     assert torch.equal(again, got)
 
+
 def test_a_changed_attribute_fails_the_guard_and_recompiles_not_silently_wrong():
     """The guards that protect Dynamo's own dispatch protect this one: a block whose
     ``act`` changed no longer passes, goes through Dynamo, and is recompiled."""
@@ -477,10 +489,13 @@ def test_grad_mode_and_dtype_are_guarded():
     with compilation_counter.expect(num_guarded_region_calls=1, num_dynamo_region_calls=1 + 1):
         got = model(x)  # grad enabled: the block's global-state guard fails once, then passes
     torch.testing.assert_close(got, ref(x))
-    with torch.no_grad(), compilation_counter.expect(
-        num_guarded_region_calls=1,  # layer 1 passes the fp64 entry layer 0 compiled
-        num_dynamo_region_calls=1 + 1,  # inp; layer 0: no fp32 entry passes, Dynamo recompiles
-        num_graphs_seen=2,  # inp and the block, for fp64
+    with (
+        torch.no_grad(),
+        compilation_counter.expect(
+            num_guarded_region_calls=1,  # layer 1 passes the fp64 entry layer 0 compiled
+            num_dynamo_region_calls=1 + 1,  # inp; layer 0: no fp32 entry passes, Dynamo recompiles
+            num_graphs_seen=2,  # inp and the block, for fp64
+        ),
     ):
         got = model.double()(x.double())
     torch.testing.assert_close(got, ref.double()(x.double()))
@@ -497,8 +512,9 @@ def test_hooks_and_stances_go_through_dynamo():
             model(x)  # inp and layer 0 pass; layer 1 has a hook: Dynamo's path runs it
         handle.remove()
         assert seen == [torch.Size([4, 8])]
-        with torch.compiler.set_stance("force_eager"), compilation_counter.expect(
-            num_guarded_region_calls=0, num_dynamo_region_calls=1 + 2, num_graphs_seen=0
+        with (
+            torch.compiler.set_stance("force_eager"),
+            compilation_counter.expect(num_guarded_region_calls=0, num_dynamo_region_calls=1 + 2, num_graphs_seen=0),
         ):
             model(x)
 
@@ -573,18 +589,19 @@ def test_a_code_object_dynamo_skipped_runs_eagerly_in_both_dispatches(dispatch, 
             torch.testing.assert_close(model(x), ref(x))  # a hit still runs Dynamo's entry
             assert len(piece_runs) == 1 + 2  # inp, two layers
         with _skipping(trigger):
-            with compilation_counter.expect(num_guarded_region_calls=0, num_dynamo_region_calls=1 + 2,
-                                            num_graphs_seen=0):  # nothing compiled: eager
+            with compilation_counter.expect(
+                num_guarded_region_calls=0, num_dynamo_region_calls=1 + 2, num_graphs_seen=0
+            ):  # nothing compiled: eager
                 torch.testing.assert_close(model(wide), ref(wide))
         piece_runs.clear()
-        with compilation_counter.expect(num_guarded_region_calls=0, num_dynamo_region_calls=1 + 2,
-                                        num_graphs_seen=0):
+        with compilation_counter.expect(num_guarded_region_calls=0, num_dynamo_region_calls=1 + 2, num_graphs_seen=0):
             torch.testing.assert_close(model(x), ref(x))  # enabled again, guards pass: still eager
         assert piece_runs == []
         torch._dynamo.reset()  # clears the mark with the entries
         guarded = 1 if dispatch == "guarded" else 0  # layer 1 reuses what layer 0 compiled
-        with compilation_counter.expect(num_dynamo_region_calls=1 + 2 - guarded, num_guarded_region_calls=guarded,
-                                        num_graphs_seen=2):  # inp, the block
+        with compilation_counter.expect(
+            num_dynamo_region_calls=1 + 2 - guarded, num_guarded_region_calls=guarded, num_graphs_seen=2
+        ):  # inp, the block
             model(x)
         piece_runs.clear()
         torch.testing.assert_close(model(x), ref(x))
@@ -661,7 +678,8 @@ class TailCallBlock(nn.Module):
 @pytest.mark.parametrize("step_break", [False, True], ids=["at-call", "at-instruction"])
 @pytest.mark.parametrize("dispatch", ["guarded", "dynamo"])
 def test_a_block_whose_graph_breaks_at_its_return_call_compiles_the_callee_in_both_dispatches(
-        dispatch, step_break, piece_runs):
+    dispatch, step_break, piece_runs
+):
     model = Stack(3)
     model.layers = nn.ModuleList(TailCallBlock(step_break=step_break) for _ in range(3))
     import copy
@@ -684,6 +702,7 @@ def test_forward_defaults_changed_in_place_and_a_replaced_code_are_seen():
     """The frame binds the function's current defaults and runs its current code: a
     keyword default changed in place fails the old guards (Dynamo recompiles), and a
     replaced ``__code__`` is compiled anew - never the old entry."""
+
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
@@ -797,8 +816,10 @@ def test_region_dispatch_dynamo_enters_through_torch_compile_every_time():
 @pytest.mark.parametrize("L", [2, 4])
 def test_guarded_and_dynamo_dispatch_give_the_same_tokens_and_logits(L):
     model = llama(L)
-    outs = {d: engine(model, compile_options={"region_dispatch": d}).generate_outputs(PROMPTS, 4, return_logits=True)
-            for d in ("guarded", "dynamo")}
+    outs = {
+        d: engine(model, compile_options={"region_dispatch": d}).generate_outputs(PROMPTS, 4, return_logits=True)
+        for d in ("guarded", "dynamo")
+    }
     for a, b in zip(outs["guarded"], outs["dynamo"]):
         assert a.token_ids == b.token_ids
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))

@@ -29,9 +29,18 @@ def tiny_tokenizer():
 def hf_llama(layers: int = 2, eos: int = 2):
     from transformers import LlamaConfig
 
-    return hf_model_from_config(LlamaConfig(num_hidden_layers=layers, vocab_size=256, hidden_size=64,
-                                            intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                                            eos_token_id=eos, bos_token_id=1))
+    return hf_model_from_config(
+        LlamaConfig(
+            num_hidden_layers=layers,
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            eos_token_id=eos,
+            bos_token_id=1,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -42,20 +51,23 @@ def model_dir(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(max_tokens=0), r"max_tokens must be an int >= 1, got 0"),
-    (dict(temperature=-0.5), r"temperature must be a finite number >= 0 \(0 = greedy\)"),
-    # a uniform draw over the whole vocabulary, past top_k
-    (dict(temperature=float("inf"), top_k=2), r"temperature must be a finite number >= 0 \(0 = greedy\), got inf"),
-    (dict(top_k=-2), r"top_k must be an int >= 1, or 0 / -1 for all tokens"),
-    (dict(top_p=0.0), r"top_p must be a number in \(0, 1\]"),
-    (dict(top_p=1.5), r"top_p must be a number in \(0, 1\]"),
-    (dict(seed="7"), r"seed must be an int in \[-2\*\*63, 2\*\*64\) \(torch.Generator's range\) or None"),
-    (dict(seed=2**64), r"seed must be an int in \[-2\*\*63, 2\*\*64\)"),  # generate() overflowed
-    (dict(stop_token_ids=[1, -3]), r"stop_token_ids must be a sequence of token ids"),
-    (dict(stop_token_ids=5), r"stop_token_ids must be a sequence of token ids \(ints >= 0\) or None, got 5"),
-    (dict(ignore_eos="no"), r"ignore_eos must be a bool"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_tokens=0), r"max_tokens must be an int >= 1, got 0"),
+        (dict(temperature=-0.5), r"temperature must be a finite number >= 0 \(0 = greedy\)"),
+        # a uniform draw over the whole vocabulary, past top_k
+        (dict(temperature=float("inf"), top_k=2), r"temperature must be a finite number >= 0 \(0 = greedy\), got inf"),
+        (dict(top_k=-2), r"top_k must be an int >= 1, or 0 / -1 for all tokens"),
+        (dict(top_p=0.0), r"top_p must be a number in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p must be a number in \(0, 1\]"),
+        (dict(seed="7"), r"seed must be an int in \[-2\*\*63, 2\*\*64\) \(torch.Generator's range\) or None"),
+        (dict(seed=2**64), r"seed must be an int in \[-2\*\*63, 2\*\*64\)"),  # generate() overflowed
+        (dict(stop_token_ids=[1, -3]), r"stop_token_ids must be a sequence of token ids"),
+        (dict(stop_token_ids=5), r"stop_token_ids must be a sequence of token ids \(ints >= 0\) or None, got 5"),
+        (dict(ignore_eos="no"), r"ignore_eos must be a bool"),
+    ],
+)
 def test_invalid_sampling_params_are_refused_with_the_valid_range(kwargs, message):
     with pytest.raises(SamplingParamsError, match=message):
         SamplingParams(**kwargs)
@@ -106,8 +118,11 @@ def test_text_in_text_out_with_a_local_tokenizer(model_dir):
 
 def test_a_text_prompt_without_a_tokenizer_says_how_to_fix_it():
     llm = LLM(hf_llama(), backend="eager", max_model_len=64)
-    with pytest.raises(ValueError, match=r"prompt 0 is text but this LLM has no tokenizer; pass token ids, or "
-                                         r"LLM\(model, tokenizer=\.\.\.\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"prompt 0 is text but this LLM has no tokenizer; pass token ids, or "
+        r"LLM\(model, tokenizer=\.\.\.\)",
+    ):
         llm.generate(["hello"], SamplingParams(max_tokens=2))
 
 
@@ -123,7 +138,9 @@ def test_generation_stops_at_eos_unless_ignore_eos_and_at_stop_tokens():
     llm_eos = LLM(hf_llama(eos=free[2]), backend="eager", max_model_len=64)
     out = llm_eos.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0]
     assert out.token_ids == free[: free.index(free[2]) + 1] and out.finish_reason == "stop"
-    assert llm_eos.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids == free
+    assert (
+        llm_eos.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids == free
+    )
 
 
 def test_the_tokenizers_eos_stops_too():
@@ -155,10 +172,22 @@ def test_max_model_len_is_bounded_by_the_models_positions():
     to any position without a word."""
     from transformers import LlamaConfig
 
-    model = hf_model_from_config(LlamaConfig(num_hidden_layers=1, vocab_size=256, hidden_size=64, intermediate_size=128,
-                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16))
-    with pytest.raises(ValueError, match=r"max_model_len=64 exceeds the model's max_position_embeddings=16; "
-                                         r"pass max_model_len <= 16"):
+    model = hf_model_from_config(
+        LlamaConfig(
+            num_hidden_layers=1,
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=16,
+        )
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"max_model_len=64 exceeds the model's max_position_embeddings=16; "
+        r"pass max_model_len <= 16",
+    ):
         LLM(model, backend="eager", max_model_len=64)
     assert LLM(model, backend="eager").max_model_len == 16  # the default (512) is capped
     assert LLM(hf_llama(), backend="eager").max_model_len == 512

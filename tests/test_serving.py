@@ -34,8 +34,16 @@ CTX = 256
 
 def llama(layers: int = 2) -> QaicLlamaForCausalLM:
     torch.manual_seed(0)
-    return QaicLlamaForCausalLM(QaicLlamaConfig(num_hidden_layers=layers, hidden_size=64, intermediate_size=128,
-                                                num_attention_heads=4, num_key_value_heads=2, vocab_size=256)).eval()
+    return QaicLlamaForCausalLM(
+        QaicLlamaConfig(
+            num_hidden_layers=layers,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+        )
+    ).eval()
 
 
 def workload(n: int = 16, seed: int = 0) -> tuple[list[list[int]], list[int]]:
@@ -79,8 +87,11 @@ def test_buffer_names_follow_the_export_naming():
 
 
 def test_slice_spec_selects_validates_and_views_without_copies():
-    bufs = {"past_key.0": torch.zeros(4, 2, 16, 8), "past_value.0": torch.zeros(4, 2, 16, 8),
-            "vision_embeds": torch.zeros(4, 8)}
+    bufs = {
+        "past_key.0": torch.zeros(4, 2, 16, 8),
+        "past_value.0": torch.zeros(4, 2, 16, 8),
+        "vision_embeds": torch.zeros(4, 8),
+    }
     spec = KVSliceSpec()
     assert spec.select(bufs) == ["past_key.0", "past_value.0"]  # never the vision buffer
     views = spec.views(bufs, {"batch_index": 2, "ctx_start": 5})
@@ -110,7 +121,9 @@ def test_bad_server_arguments_are_refused_before_any_worker_starts():
     model = llama(2)
     with pytest.raises(ValueError, match=r"transport must be one of \['shm', 'copy', 'gloo'\], got 'tcp'"):
         DisaggregatedServer(model, transport="tcp")
-    with pytest.raises(ValueError, match="gloo_init_method is the gloo transport's rendezvous, but the transport is 'shm'"):
+    with pytest.raises(
+        ValueError, match="gloo_init_method is the gloo transport's rendezvous, but the transport is 'shm'"
+    ):
         DisaggregatedServer(model, transport="shm", gloo_init_method="tcp://127.0.0.1:29500")
     with pytest.raises(ValueError, match="decode_slots must be a positive int, got 0"):
         DisaggregatedServer(model, decode_slots=0)
@@ -139,7 +152,7 @@ def test_prefill_writes_straight_into_the_decode_slot():
         ref = LLM(model, backend="eager", max_model_len=CTX).generate([prompt], 1)[0][0]
         assert done[0][1] == ref
         for name, t in shared.tensors.items():
-            assert t[2, :, : len(prompt)].abs().sum() > 0 and t[2, :, len(prompt):].eq(0).all(), name
+            assert t[2, :, : len(prompt)].abs().sum() > 0 and t[2, :, len(prompt) :].eq(0).all(), name
             assert t[[0, 1, 3]].eq(0).all(), name
     finally:
         shared.close()
@@ -223,8 +236,12 @@ def test_prefill_and_decode_write_only_their_own_slot(backend, tmp_path):
     cache bound as both input and output) and no stray write from padding."""
     script = tmp_path / "slot_guard.py"
     script.write_text(SLOT_GUARD)
-    run = subprocess.run([sys.executable, str(script), "eager" if backend == "control" else backend, backend],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, str(script), "eager" if backend == "control" else backend, backend],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if backend == "control":  # the guard catches a write into the other slot
         assert run.returncode == -signal.SIGSEGV, (run.returncode, run.stderr[-2000:])
         return
@@ -271,8 +288,10 @@ def test_killing_the_prefill_worker_fails_its_request_and_decode_serves_the_rest
     model = llama(2)
     prompts = [[7] * 5, [8] * 6, [9] * 180, [10] * 4, [11] * 3]
     max_tokens = [40, 40, 4, 4, 4]
-    with DisaggregatedServer(model, decode_slots=4, ctx_len=CTX, chunk_size=8, backend="eager",
-                             chunk_delay=0.05) as server:
+    with DisaggregatedServer(
+        model, decode_slots=4, ctx_len=CTX, chunk_size=8, backend="eager", chunk_delay=0.05
+    ) as server:
+
         def killer():
             # Two short requests are decoding; the 180-token prompt is mid-prefill
             # (23 chunks of 8, 50 ms each).
@@ -306,7 +325,9 @@ def test_an_exception_inside_the_server_still_unlinks_shared_memory():
 
 def test_a_request_that_does_not_fit_is_rejected_before_any_write():
     with DisaggregatedServer(llama(2), decode_slots=2, ctx_len=64, backend="eager") as server:
-        with pytest.raises(ValueError, match=r"prompt \(60 tokens\) \+ max_tokens=8 would not fit in a slot's ctx_len=64"):
+        with pytest.raises(
+            ValueError, match=r"prompt \(60 tokens\) \+ max_tokens=8 would not fit in a slot's ctx_len=64"
+        ):
             server.generate([[1, 2, 3], [5] * 60], 8)
         assert all(t.eq(0).all() for t in server.buffers.tensors.values())  # not even the valid one ran
         assert server.results == {}
@@ -331,12 +352,16 @@ def test_a_generate_that_raises_leaves_the_server_refusing_until_restarted():
     Ctrl-C) left its requests in the workers: the next call saw their events (KeyError)
     and would have handed their decode slots to new prompts."""
     model = llama(1)
-    with DisaggregatedServer(model, decode_slots=2, ctx_len=96, chunk_size=4, backend="eager",
-                             chunk_delay=0.1) as server:
+    with DisaggregatedServer(
+        model, decode_slots=2, ctx_len=96, chunk_size=4, backend="eager", chunk_delay=0.1
+    ) as server:
         with pytest.raises(TimeoutError, match="not finished after 0 s"):
             server.generate([[5] * 40, [6] * 40], 40, timeout=0.3)
-        with pytest.raises(RuntimeError, match=r"an earlier generate\(\) ended \(TimeoutError\) with 2 request\(s\) "
-                                               r"still in the workers; stop\(\) and start\(\) the server again"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"an earlier generate\(\) ended \(TimeoutError\) with 2 request\(s\) "
+            r"still in the workers; stop\(\) and start\(\) the server again",
+        ):
             server.generate([[7] * 3], 2)
         with pytest.raises(RuntimeError, match="already started; stop"):
             server.start()  # leaked the first workers and their shared memory
@@ -388,14 +413,18 @@ def test_past_max_prefill_restarts_requests_fail_until_the_server_restarts():
         DisaggregatedServer(model, max_prefill_restarts=-1)
     with pytest.raises(ValueError, match=r"max_prefill_restarts must be an int in \[0, 64\], got 1000"):
         DisaggregatedServer(model, max_prefill_restarts=1000)
-    with DisaggregatedServer(model, decode_slots=2, ctx_len=64, backend="eager", startup_timeout=120,
-                             max_prefill_restarts=0) as server:
+    with DisaggregatedServer(
+        model, decode_slots=2, ctx_len=64, backend="eager", startup_timeout=120, max_prefill_restarts=0
+    ) as server:
         os.kill(server.prefill_pid, signal.SIGKILL)
         time.sleep(0.5)
         # Sent to the dead worker before its death was seen, or failed for want of a worker:
         assert "the prefill worker died (exit code -9)" in server.generate([[4, 5]], 2, timeout=60)[0].error
-        with pytest.raises(RuntimeError, match=r"after 0 restart\(s\), the most this server makes "
-                                               r"\(max_prefill_restarts=0\); stop\(\) and start\(\) the server again"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"after 0 restart\(s\), the most this server makes "
+            r"\(max_prefill_restarts=0\); stop\(\) and start\(\) the server again",
+        ):
             server.generate([[6, 7]], 2)
         server.stop()
         server.start()
@@ -407,8 +436,11 @@ def test_after_the_gloo_prefill_worker_died_generate_fails_at_once():
         os.kill(server.prefill_pid, signal.SIGKILL)
         time.sleep(0.5)
         assert "the prefill worker died (exit code -9)" in server.generate([[4, 5]], 2, timeout=60)[0].error
-        with pytest.raises(RuntimeError, match=r"prefill worker died \(exit code -9\) and the gloo transport cannot "
-                                               r"replace it; stop\(\) and start\(\)"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"prefill worker died \(exit code -9\) and the gloo transport cannot "
+            r"replace it; stop\(\) and start\(\)",
+        ):
             server.generate([[6, 7]], 2, timeout=60)  # spun until its timeout
 
 
@@ -419,8 +451,9 @@ def test_a_gloo_hand_off_cut_by_the_prefill_workers_death_fails_only_that_reques
     model = llama(2)
     ctx = 1 << 16  # a 16 MB slot: more than loopback's socket buffers, so the send blocks
     running, handed_off = [5, 6, 7], list(range(1, 41))
-    with DisaggregatedServer(model, decode_slots=2, ctx_len=ctx, chunk_size=8, transport="gloo", backend="eager",
-                             chunk_delay=0.05) as server:
+    with DisaggregatedServer(
+        model, decode_slots=2, ctx_len=ctx, chunk_size=8, transport="gloo", backend="eager", chunk_delay=0.05
+    ) as server:
         handoffs, failures = server._handoff_queues[0], []
 
         def killer():
@@ -465,8 +498,27 @@ def test_cli_serves_a_prompt_file(tmp_path, capsys):
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("1 2 3 4\n\n5 6\n" + " ".join(["7"] * 30) + "\n")
-    rc = main(["serve-disagg", "--model", "llama", "--layers", "2", "--hidden-size", "64", "--prompts", str(prompts),
-               "--max-tokens", "3", "--decode-slots", "2", "--ctx-len", "64", "--backend", "eager"])
+    rc = main(
+        [
+            "serve-disagg",
+            "--model",
+            "llama",
+            "--layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--prompts",
+            str(prompts),
+            "--max-tokens",
+            "3",
+            "--decode-slots",
+            "2",
+            "--ctx-len",
+            "64",
+            "--backend",
+            "eager",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     assert out.count("TTFT") >= 3 and "summary: 3 requests, 0 failed" in out and "KV bytes moved per hand-off 0" in out
@@ -484,13 +536,32 @@ def test_cli_names_why_a_worker_could_not_start(tmp_path, capsys):
     from qaic_dynamo.cli import main
     from qaic_dynamo.models import hf_model_from_config
 
-    hf_model_from_config(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
-                         ).save_pretrained(tmp_path / "model")
+    hf_model_from_config(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=32,
+        )
+    ).save_pretrained(tmp_path / "model")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("1 2 3\n")
-    rc = main(["serve-disagg", "--model", str(tmp_path / "model"), "--prompts", str(prompts), "--ctx-len", "64",
-               "--backend", "eager"])
+    rc = main(
+        [
+            "serve-disagg",
+            "--model",
+            str(tmp_path / "model"),
+            "--prompts",
+            str(prompts),
+            "--ctx-len",
+            "64",
+            "--backend",
+            "eager",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 1 and "Traceback" not in err, err
     assert "worker failed" in err and "exceeds the model's max_position_embeddings=32" in err, err

@@ -259,12 +259,22 @@ def dynamo_internals() -> DynamoInternals | None:
         import torch.nn.modules.module as nn_module
         from torch._C._dynamo.eval_frame import _get_cache_entries_for_region
 
-        found.update(cache_entries=_get_cache_entries_for_region, eval_frame=eval_frame,
-                     innermost_backend=eval_frame.innermost_backend,
-                     graph_break_reasons=dynamo_utils.graph_break_reasons,
-                     global_hooks=tuple(getattr(nn_module, name) for name in (
-                         "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                         "_global_backward_pre_hooks", "_global_forward_hooks_always_called")))
+        found.update(
+            cache_entries=_get_cache_entries_for_region,
+            eval_frame=eval_frame,
+            innermost_backend=eval_frame.innermost_backend,
+            graph_break_reasons=dynamo_utils.graph_break_reasons,
+            global_hooks=tuple(
+                getattr(nn_module, name)
+                for name in (
+                    "_global_forward_hooks",
+                    "_global_forward_pre_hooks",
+                    "_global_backward_hooks",
+                    "_global_backward_pre_hooks",
+                    "_global_forward_hooks_always_called",
+                )
+            ),
+        )
         if not isinstance(getattr(dynamo_utils, "graph_break_reasons", None), list):
             return "torch._dynamo.utils.graph_break_reasons is not a list"
         if not all(hasattr(eval_frame._stance, a) for a in ("stance", "backend", "skip_guard_eval_unsafe")):
@@ -279,7 +289,9 @@ def dynamo_internals() -> DynamoInternals | None:
             return f"a function compiled by torch.compile no longer closes over its Dynamo context ({e})"
         return None
 
-    if not check_private_api(probe, "regions enter through Dynamo on every call (region_dispatch='guarded' unavailable)"):
+    if not check_private_api(
+        probe, "regions enter through Dynamo on every call (region_dispatch='guarded' unavailable)"
+    ):
         return None
     return DynamoInternals(**found)
 
@@ -332,8 +344,13 @@ _NEEDED = {
     "torch_decomp": ("_core_aten_decompositions_post_autograd", "decomposition_table"),
     "export_utils": ("_is_preservable_cia_op",),
     "fx_passes": ("decompose_with_registry", "insert_type_promotion_nodes", "remove_assertion_nodes"),
-    "type_promotion": ("InsertTypePromotion", "_TypePromotionInterpreter", "TypePromotionTable",
-                       "get_type_promotion_rule", "fx_type_utils"),
+    "type_promotion": (
+        "InsertTypePromotion",
+        "_TypePromotionInterpreter",
+        "TypePromotionTable",
+        "get_type_promotion_rule",
+        "fx_type_utils",
+    ),
     "ir_passes": ("add_opset_imports",),
     "registration": ("ONNXRegistry", "OnnxDecompMeta", "_get_overload", "_torchlib_registry"),
 }
@@ -352,9 +369,17 @@ def torch_onnx_internals() -> TorchOnnxInternals | None:
         from torch.onnx._internal.exporter import _core, _decomp, _fx_passes, _ir_passes, _registration
         from torch.onnx._internal.fx.passes import type_promotion
 
-        mods.update(core=_core, decomp=_decomp, fx_passes=_fx_passes, ir_passes=_ir_passes, registration=_registration,
-                    type_promotion=type_promotion, torch_decomp=torch_decomp, export_utils=export_utils,
-                    preserved_cia=PRESERVED_ATEN_CIA_OPS)
+        mods.update(
+            core=_core,
+            decomp=_decomp,
+            fx_passes=_fx_passes,
+            ir_passes=_ir_passes,
+            registration=_registration,
+            type_promotion=type_promotion,
+            torch_decomp=torch_decomp,
+            export_utils=export_utils,
+            preserved_cia=PRESERVED_ATEN_CIA_OPS,
+        )
         missing = [f"{m}.{a}" for m, attrs in _NEEDED.items() for a in attrs if not hasattr(mods[m], a)]
         return f"torch lacks {missing}" if missing else None
 

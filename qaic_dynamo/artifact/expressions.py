@@ -41,8 +41,9 @@ _RELATION_NAMES = frozenset({"Eq", "Ne", "Lt", "Le", "Gt", "Ge", "And", "Or", "N
 
 # Of torch's sympy module only its sympy classes (FloorDiv, CeilDiv, ...), not the modules
 # and helpers it imports.
-_SYMPY_FUNCTION_NAMES = frozenset(name for name, v in _SYMPY_LOCALS.items()
-                                  if isinstance(v, type) and issubclass(v, sympy.Basic))
+_SYMPY_FUNCTION_NAMES = frozenset(
+    name for name, v in _SYMPY_LOCALS.items() if isinstance(v, type) and issubclass(v, sympy.Basic)
+)
 
 
 def check_size_expression(text: str, symbols: Iterable[str], where: str, relation: bool = False) -> None:
@@ -59,14 +60,22 @@ def check_size_expression(text: str, symbols: Iterable[str], where: str, relatio
         # Sizes are small: a long literal is not one, nor a power but of a symbol or a
         # parenthesis by a small integer (sympy evaluates 9**9**9**9 while it parses).
         power_ok = word != "**" or previous == ")" or previous in allowed
-        if (m is None or m.end() == pos or (m["name"] is not None and m["name"] not in allowed) or not power_ok
-                or (word[:1].isdigit() and len(word) > 20) or (previous == "**" and not (word.isdigit() and len(word) <= 2))):
-            bad = m["name"] if m is not None and m["name"] else text[pos:pos + 12]
+        if (
+            m is None
+            or m.end() == pos
+            or (m["name"] is not None and m["name"] not in allowed)
+            or not power_ok
+            or (word[:1].isdigit() and len(word) > 20)
+            or (previous == "**" and not (word.isdigit() and len(word) <= 2))
+        ):
+            bad = m["name"] if m is not None and m["name"] else text[pos : pos + 12]
             raise ArtifactError(f"{LAYOUT_FILE}: {where} {text!r} is not a size expression (at {bad!r})")
         pos, previous = m.end(), word
 
 
-def shape_function(shape: list[int | str] | None, symbols: dict[str, list[Any]]) -> Callable[[dict[str, int]], list[int]]:
+def shape_function(
+    shape: list[int | str] | None, symbols: dict[str, list[Any]]
+) -> Callable[[dict[str, int]], list[int]]:
     """Compile an output's shape spec (ints and expressions in canonical symbols) into a
     function of the symbols' values."""
     if shape is None:
@@ -83,7 +92,9 @@ def shape_function(shape: list[int | str] | None, symbols: dict[str, list[Any]])
             missing = {str(s) for s in expr.free_symbols} - set(symbols)
             if missing:
                 raise ArtifactError(f"an output size {dim} uses {sorted(missing)}, which no input carries")
-            parts.append(lambda sym, e=expr: int(e.xreplace({sympy.Symbol(k, integer=True): v for k, v in sym.items()})))
+            parts.append(
+                lambda sym, e=expr: int(e.xreplace({sympy.Symbol(k, integer=True): v for k, v in sym.items()}))
+            )
     return lambda sym: [p(sym) for p in parts]
 
 

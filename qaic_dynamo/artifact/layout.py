@@ -73,7 +73,9 @@ class PieceLayout:
         required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
         unknown, missing = sorted(set(data) - names), sorted(required - set(data))
         if unknown or missing:
-            raise ArtifactError(f"{LAYOUT_FILE} does not match format {LAYOUT_FORMAT}: unknown keys {unknown}, missing {missing}")
+            raise ArtifactError(
+                f"{LAYOUT_FILE} does not match format {LAYOUT_FORMAT}: unknown keys {unknown}, missing {missing}"
+            )
         assumptions = data.get("size_assumptions", [])
         if not isinstance(assumptions, list) or not all(isinstance(a, str) for a in assumptions):
             raise ArtifactError(f"{LAYOUT_FILE}: size_assumptions must be a list of strings, got {assumptions!r}")

@@ -54,8 +54,9 @@ def load(path: Path, num_threads: int | None = None) -> Artifact:
         raise ArtifactError(f"cannot read {path / LAYOUT_FILE}: {e}") from e
     layout = PieceLayout.from_json(text)
     # Evaluated at call time; checked and compiled once, here.
-    symbol_leaves = {str(leaf[1]): symbol_function(str(leaf[1]), layout.symbols) for leaf in layout.leaves
-                     if leaf[0] == "sym"}
+    symbol_leaves = {
+        str(leaf[1]): symbol_function(str(leaf[1]), layout.symbols) for leaf in layout.leaves if leaf[0] == "sym"
+    }
     dtypes = []
     for o in layout.outputs:
         dtype = getattr(torch, str(o.get("dtype")), None)
@@ -73,10 +74,14 @@ def load(path: Path, num_threads: int | None = None) -> Artifact:
             raise ArtifactError(f"ONNX Runtime could not load {path / ONNX_FILE}: {str(e).splitlines()[0]}") from e
         # Inputs and outputs are bound by name and position from the layout: a layout
         # that does not describe this model would bind tensors to the wrong inputs.
-        for kind, declared, actual in (("inputs", layout.inputs, session.get_inputs()),
-                                       ("outputs", layout.outputs, session.get_outputs())):
+        for kind, declared, actual in (
+            ("inputs", layout.inputs, session.get_inputs()),
+            ("outputs", layout.outputs, session.get_outputs()),
+        ):
             if [d["name"] for d in declared] != [a.name for a in actual]:
-                raise ArtifactError(f"{LAYOUT_FILE} names the {kind} {[d['name'] for d in declared]} but "
-                                    f"{ONNX_FILE} has {[a.name for a in actual]}")
+                raise ArtifactError(
+                    f"{LAYOUT_FILE} names the {kind} {[d['name'] for d in declared]} but "
+                    f"{ONNX_FILE} has {[a.name for a in actual]}"
+                )
     shapes = [shape_function(o["shape"], layout.symbols) for o in layout.outputs]
     return Artifact(path, layout, session, shapes, dtypes, threads, symbol_leaves)

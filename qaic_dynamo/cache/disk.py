@@ -104,8 +104,8 @@ def _read_meta(meta_path: Path) -> dict[str, Any]:
     meta = json.loads(meta_path.read_text())
     files = meta.get("files") if isinstance(meta, dict) else None
     if not isinstance(files, dict) or not all(
-            isinstance(v, dict) and type(v.get("size")) is int and isinstance(v.get("sha256"), str)
-            for v in files.values()):
+        isinstance(v, dict) and type(v.get("size")) is int and isinstance(v.get("sha256"), str) for v in files.values()
+    ):
         raise ValueError('not {"files": {name: {"size": int, "sha256": str}}, ...}')
     return meta
 
@@ -127,8 +127,9 @@ def _entry_files(path: Path) -> list[Path]:
 
 
 def warn_removed(disk: DiskCache, key: str) -> None:
-    disk.warn_once(f"qaic: cache entry {key[:12]} was removed while it compiled; compiling it again without the "
-                   "persistent cache")
+    disk.warn_once(
+        f"qaic: cache entry {key[:12]} was removed while it compiled; compiling it again without the persistent cache"
+    )
 
 
 class DiskCache:
@@ -163,8 +164,10 @@ class DiskCache:
     # -- degradation ------------------------------------------------------------------
     def degrade(self, what: str, error: BaseException) -> None:
         self.usable = False
-        msg = (f"qaic: the compile cache at {self.root} is not usable ({what}: {error}); "
-               "compiling without the persistent cache")
+        msg = (
+            f"qaic: the compile cache at {self.root} is not usable ({what}: {error}); "
+            "compiling without the persistent cache"
+        )
         if msg not in self._warned:
             self._warned.add(msg)
             logger.warning(msg)
@@ -258,8 +261,9 @@ class DiskCache:
         be written and ``tmp`` stays this process's private copy)."""
         final = self.entry_dir(key)
         try:
-            files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
-                     for p in _entry_files(tmp)}
+            files = {
+                str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in _entry_files(tmp)
+            }
             meta = {"key": key, "created": time.time(), "files": files, "format": FORMAT}
             (tmp / META).write_text(json.dumps(meta, indent=1, sort_keys=True))
             with open(tmp / META, "rb+") as f:
@@ -373,7 +377,10 @@ class DiskCache:
         with_entries = {m["writer"] for p in tmp.iterdir() if (m := _TMP_NAME.fullmatch(p.name))}
         for lock in locks.glob("writer-*.lock"):
             try:
-                if lock.name[len("writer-"):-len(".lock")] in with_entries or now - lock.stat().st_mtime <= STALE_TMP_SECONDS:
+                if (
+                    lock.name[len("writer-") : -len(".lock")] in with_entries
+                    or now - lock.stat().st_mtime <= STALE_TMP_SECONDS
+                ):
                     continue
                 fd = _try_flock(lock)
                 if fd is not None:
@@ -431,8 +438,15 @@ class DiskCache:
         tmp = self.base / f".last_run.{os.getpid()}.json"
         try:
             self.base.mkdir(parents=True, exist_ok=True)
-            data = {"pid": os.getpid(), "time": time.time(), "hits": self.hits, "misses": self.misses,
-                    "writes": self.writes, "evictions": self.evictions, "repairs": self.repairs}
+            data = {
+                "pid": os.getpid(),
+                "time": time.time(),
+                "hits": self.hits,
+                "misses": self.misses,
+                "writes": self.writes,
+                "evictions": self.evictions,
+                "repairs": self.repairs,
+            }
             tmp.write_text(json.dumps(data, indent=1))
             os.replace(tmp, self.base / "last_run.json")
         except OSError:

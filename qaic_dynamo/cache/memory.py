@@ -130,12 +130,17 @@ class CompileCache:
             broken = unmet(result.artifact) if result.artifact is not None and unmet is not None else []
             if not broken:
                 return result
-            logger.info("qaic: artifact %s assumes %s, which this call site's guards do not imply; looking further",
-                        key[:12], broken)
+            logger.info(
+                "qaic: artifact %s assumes %s, which this call site's guards do not imply; looking further",
+                key[:12],
+                broken,
+            )
             chain.append(key)
             key = hashlib.sha256(json.dumps([key, result.artifact.layout.size_assumptions]).encode()).hexdigest()
-        failure = (f"{MAX_ASSUMPTION_CHAIN} artifacts of this piece each assume sizes this call site's guards do not "
-                   f"imply (keys {[k[:12] for k in chain]})")
+        failure = (
+            f"{MAX_ASSUMPTION_CHAIN} artifacts of this piece each assume sizes this call site's guards do not "
+            f"imply (keys {[k[:12] for k in chain]})"
+        )
         return CacheResult(Source.FAILED, failure=failure, key=key)
 
     def _get_or_compile_key(
@@ -179,7 +184,11 @@ class CompileCache:
             return self._compile(key, compile_into, disk, num_threads, describe)
 
     def _compile(
-        self, key: str, compile_into: Callable[[Path], None], disk: DiskCache | None, num_threads: int,
+        self,
+        key: str,
+        compile_into: Callable[[Path], None],
+        disk: DiskCache | None,
+        num_threads: int,
         describe: dict[str, Any] | None,
     ) -> CacheResult:
         tmp = disk.new_tmp_dir(key) if disk is not None else None

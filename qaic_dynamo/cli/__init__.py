@@ -1,12 +1,12 @@
 """Command line: ``qaic-dynamo <command>`` (or ``python -m qaic_dynamo <command>``).
 
-    qaic-dynamo demo [--compare] [...]      compile a transformer, compare with eager
-    qaic-dynamo cache info|list|clear       inspect or empty the persistent compile cache
-    qaic-dynamo export --model M --out DIR  export M for a Cloud AI 100 card (retained-state
-                                            ONNX, custom_io.yaml, specializations.json)
-    qaic-dynamo serve-disagg --model M --prompts FILE
-                                            serve a prompt file with prefill and decode in
-                                            separate processes (zero-copy KV hand-off)
+qaic-dynamo demo [--compare] [...]      compile a transformer, compare with eager
+qaic-dynamo cache info|list|clear       inspect or empty the persistent compile cache
+qaic-dynamo export --model M --out DIR  export M for a Cloud AI 100 card (retained-state
+                                        ONNX, custom_io.yaml, specializations.json)
+qaic-dynamo serve-disagg --model M --prompts FILE
+                                        serve a prompt file with prefill and decode in
+                                        separate processes (zero-copy KV hand-off)
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="qaic-dynamo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="qaic-dynamo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo.add_arguments(sub.add_parser("demo", help=demo.__doc__.splitlines()[0]))
     add_cache_arguments(sub.add_parser("cache", help="inspect or empty the persistent compile cache"))
@@ -42,4 +43,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve-disagg":
         return serve_command(args)
     return cache_command(args)
-

@@ -38,8 +38,10 @@ def cache_command(args: argparse.Namespace) -> int:
         print(f"size      {_human(sum(e.size for e in entries))} (limit {_human(cfg.cache_size_limit)})")
         last = cache.last_run()
         if last:
-            print(f"last run  {last['misses']} misses, {last['hits']} hits, {last['writes']} written "
-                  f"(pid {last['pid']}, {_when(last['time'])})")
+            print(
+                f"last run  {last['misses']} misses, {last['hits']} hits, {last['writes']} written "
+                f"(pid {last['pid']}, {_when(last['time'])})"
+            )
         else:
             print("last run  unknown")
     elif args.action == "list":

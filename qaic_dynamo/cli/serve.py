@@ -13,13 +13,21 @@ __all__ = ["add_serve_arguments", "serve_command"]
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="llama",
-                   help="llama | qwen2 | mistral | mla (built-in configs, random weights) or a local model directory")
-    p.add_argument("--prompts", required=True,
-                   help="a file with one prompt per line, as whitespace-separated token ids")
+    p.add_argument(
+        "--model",
+        default="llama",
+        help="llama | qwen2 | mistral | mla (built-in configs, random weights) or a local model directory",
+    )
+    p.add_argument(
+        "--prompts", required=True, help="a file with one prompt per line, as whitespace-separated token ids"
+    )
     p.add_argument("--layers", type=positive_int, default=None, help="built-in models: number of layers (default 16)")
-    p.add_argument("--hidden-size", type=positive_int, default=None,
-                   help="built-in models: hidden size (default 512; a multiple of the 8 attention heads)")
+    p.add_argument(
+        "--hidden-size",
+        type=positive_int,
+        default=None,
+        help="built-in models: hidden size (default 512; a multiple of the 8 attention heads)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--decode-slots", type=int, default=4)
@@ -39,8 +47,11 @@ def serve_command(args: argparse.Namespace) -> int:
         lines = [ln.split() for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
         prompts = [[int(t) for t in ln] for ln in lines]
     except (OSError, ValueError) as e:
-        print(f"qaic-dynamo serve-disagg: cannot read prompts from {args.prompts}: {e} "
-              "(one prompt per line, whitespace-separated token ids)", file=sys.stderr)
+        print(
+            f"qaic-dynamo serve-disagg: cannot read prompts from {args.prompts}: {e} "
+            "(one prompt per line, whitespace-separated token ids)",
+            file=sys.stderr,
+        )
         return 2
     if not prompts:
         print(f"qaic-dynamo serve-disagg: {args.prompts} holds no prompt", file=sys.stderr)
@@ -48,12 +59,21 @@ def serve_command(args: argparse.Namespace) -> int:
     model = model_arg(args)
     if model is None:
         return 2
-    print(f"starting prefill and decode workers ({args.transport} hand-off, {args.decode_slots} decode slots, "
-          f"ctx_len {args.ctx_len}, backend {args.backend})", flush=True)
+    print(
+        f"starting prefill and decode workers ({args.transport} hand-off, {args.decode_slots} decode slots, "
+        f"ctx_len {args.ctx_len}, backend {args.backend})",
+        flush=True,
+    )
     try:
-        with DisaggregatedServer(model, decode_slots=args.decode_slots, ctx_len=args.ctx_len,
-                                 chunk_size=args.chunk_size, transport=args.transport, backend=args.backend,
-                                 kv_cache_prefix=args.kv_cache_prefix) as server:
+        with DisaggregatedServer(
+            model,
+            decode_slots=args.decode_slots,
+            ctx_len=args.ctx_len,
+            chunk_size=args.chunk_size,
+            transport=args.transport,
+            backend=args.backend,
+            kv_cache_prefix=args.kv_cache_prefix,
+        ) as server:
             with tqdm(total=len(prompts), desc="requests", unit="req", leave=False) as bar:
                 results = server.generate(prompts, args.max_tokens, progress=lambda r: bar.update())
     except (ValueError, OSError) as e:  # bad options, or a model that cannot be loaded
@@ -74,7 +94,9 @@ def serve_command(args: argparse.Namespace) -> int:
     if s["failed"] == s["requests"]:
         print(f"summary: {s['requests']} requests, all failed")
     else:
-        print(f"summary: {s['requests']} requests, {s['failed']} failed; TTFT median {s['ttft_median_s'] * 1e3:.1f} "
-              f"ms, p90 {s['ttft_p90_s'] * 1e3:.1f} ms; decode {s['decode_tokens_per_s']:.1f} tokens/s; "
-              f"KV bytes moved per hand-off {s['kv_bytes_per_handoff']:,.0f}")
+        print(
+            f"summary: {s['requests']} requests, {s['failed']} failed; TTFT median {s['ttft_median_s'] * 1e3:.1f} "
+            f"ms, p90 {s['ttft_p90_s'] * 1e3:.1f} ms; decode {s['decode_tokens_per_s']:.1f} tokens/s; "
+            f"KV bytes moved per hand-off {s['kv_bytes_per_handoff']:,.0f}"
+        )
     return 0 if not s["failed"] else 1

@@ -128,8 +128,9 @@ class QaicBackend:
                 return PerFloatValue(self, gm, example_inputs, floats, grad_mode)
             return self.compile_graph(gm, example_inputs, grad_mode)
 
-    def compile_graph(self, gm: fx.GraphModule, example_inputs: Sequence[Any], grad_mode: bool,
-                       floats: dict[str, float] | None = None) -> Callable[..., Any]:
+    def compile_graph(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], grad_mode: bool, floats: dict[str, float] | None = None
+    ) -> Callable[..., Any]:
         t_start = time.perf_counter()
         report = new_report(self.config_hash)
         report.specialized_floats = dict(floats or {})
@@ -166,8 +167,11 @@ class QaicBackend:
                 continue
             compilation_counter.bump(num_piecewise_compilable_graphs_seen=1)
             with torch.set_grad_enabled(grad_mode):  # lowering runs a piece's switches: none leaks to the next
-                report.pieces.append(self._compile_piece(piece, piece_args[piece.name], fake_mode, split.graph_module,
-                                                         grad_mode, graph_nonce, graph_keys))
+                report.pieces.append(
+                    self._compile_piece(
+                        piece, piece_args[piece.name], fake_mode, split.graph_module, grad_mode, graph_nonce, graph_keys
+                    )
+                )
         compilable = [p for p in report.pieces if p.source is not None]
         report.seconds["fingerprint"] = sum(p.fingerprint_seconds for p in compilable)
         report.seconds["lower+load"] = sum(p.compile_seconds + p.load_seconds for p in compilable)
@@ -186,8 +190,16 @@ class QaicBackend:
         # Dynamo right away, as for a returned lazy module.
         return split.graph_module.forward if views is None else views.around(split.graph_module.forward)
 
-    def _compile_piece(self, piece: Piece, args: tuple, fake_mode: Any, split_gm: fx.GraphModule,
-                       grad_mode: bool, graph_nonce: str, graph_keys: list[str]) -> PieceReport:
+    def _compile_piece(
+        self,
+        piece: Piece,
+        args: tuple,
+        fake_mode: Any,
+        split_gm: fx.GraphModule,
+        grad_mode: bool,
+        graph_nonce: str,
+        graph_keys: list[str],
+    ) -> PieceReport:
         """Key the piece, get its artifact from the cache stage, and put a runner in its place.
 
         A piece calling code the key cannot cover (another library's op, whose kernel may
@@ -197,8 +209,15 @@ class QaicBackend:
         into ``graph_keys`` (forgotten when the graph is)."""
         t0 = time.perf_counter()
         fp = fingerprint(piece.graph_module, args, self.config_hash)
-        entry = PieceReport(piece.index, piece.name, piece.kind, piece.reason, piece.detail, key=fp.prefix,
-                            fingerprint_seconds=time.perf_counter() - t0)
+        entry = PieceReport(
+            piece.index,
+            piece.name,
+            piece.kind,
+            piece.reason,
+            piece.detail,
+            key=fp.prefix,
+            fingerprint_seconds=time.perf_counter() - t0,
+        )
         label = f"piece {piece.name} ({fp.prefix})"
         refusal = grad_mode_refusal(piece.graph_module, grad_mode)  # before any cache: per call site
         if refusal is not None:
@@ -216,16 +235,23 @@ class QaicBackend:
 
         key = fp.key
         if fp.unkeyed_ops:
-            logger.info("%s: reused only within this graph: the kernels of %s are not in its key", label,
-                        ", ".join(fp.unkeyed_ops))
+            logger.info(
+                "%s: reused only within this graph: the kernels of %s are not in its key",
+                label,
+                ", ".join(fp.unkeyed_ops),
+            )
             key = hashlib.sha256(f"{fp.key}|graph:{graph_nonce}".encode()).hexdigest()
         result = artifact_cache.get_or_compile(
-            key, compile_into, disk=None if fp.unkeyed_ops else self.disk, num_threads=self.num_threads,
-            describe=fp.inputs, unmet=lambda artifact: unmet_size_assumptions(artifact.layout.size_assumptions, args),
+            key,
+            compile_into,
+            disk=None if fp.unkeyed_ops else self.disk,
+            num_threads=self.num_threads,
+            describe=fp.inputs,
+            unmet=lambda artifact: unmet_size_assumptions(artifact.layout.size_assumptions, args),
         )
         if fp.unkeyed_ops:
             graph_keys += [key, result.key]
-        entry.key = result.key[:len(fp.prefix)]
+        entry.key = result.key[: len(fp.prefix)]
         entry.source = result.source
         entry.compile_seconds, entry.load_seconds = result.compile_seconds, result.load_seconds
         if result.source is Source.MEMORY:

@@ -45,17 +45,26 @@ def dynamic_float_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> d
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     found: dict[int, tuple[float, set[Any]]] = {}
     for i, (node, example) in enumerate(zip(placeholders, example_inputs)):
-        if (isinstance(example, torch.Tensor) and not isinstance(example, FakeTensor) and example.dim() == 0
-                and example.is_floating_point() and node.users
-                and all(u.op == "call_method" and u.target == "item" for u in node.users)):
+        if (
+            isinstance(example, torch.Tensor)
+            and not isinstance(example, FakeTensor)
+            and example.dim() == 0
+            and example.is_floating_point()
+            and node.users
+            and all(u.op == "call_method" and u.target == "item" for u in node.users)
+        ):
             found[i] = (example.item(), {s for u in node.users for s in free_symbols(u.meta.get("example_value"))})
     # Until nothing changes: arithmetic counts as computed only if every float it reads is
     # kept (``a * b`` with ``b`` mixed with a size keeps ``a``'s symbol too).
     while found:
         reads = {u for i in found for u in placeholders[i].users}
         computed = scalar_arithmetic(gm, reads)
-        elsewhere = {s for n in gm.graph.nodes if n.op != "placeholder" and n not in reads and n not in computed
-                     for s in free_symbols(n.meta.get("example_value"))}
+        elsewhere = {
+            s
+            for n in gm.graph.nodes
+            if n.op != "placeholder" and n not in reads and n not in computed
+            for s in free_symbols(n.meta.get("example_value"))
+        }
         kept = {i: v for i, v in found.items() if not v[1] & elsewhere}
         if len(kept) == len(found):
             break
@@ -66,9 +75,15 @@ def dynamic_float_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> d
 #: torch's functions on Python numbers that Dynamo records for math on a symbolic float or
 #: int (``math.sqrt`` -> ``torch._sym_sqrt``); with ``operator``'s and ``math``'s, what
 #: :func:`scalar_arithmetic` may compute itself.
-_SYM_FUNCTIONS = frozenset(f for name, f in vars(torch).items()
-                           if callable(f) and (name.startswith("_sym_") or name in (
-                               "sym_float", "sym_int", "sym_max", "sym_min", "sym_not", "sym_ite", "sym_sum")))
+_SYM_FUNCTIONS = frozenset(
+    f
+    for name, f in vars(torch).items()
+    if callable(f)
+    and (
+        name.startswith("_sym_")
+        or name in ("sym_float", "sym_int", "sym_max", "sym_min", "sym_not", "sym_ite", "sym_sum")
+    )
+)
 
 
 def _is_number_function(target: Any) -> bool:
@@ -83,9 +98,13 @@ def scalar_arithmetic(gm: fx.GraphModule, reads: set[fx.Node]) -> set[fx.Node]:
     number = (torch.SymFloat, torch.SymInt, torch.SymBool, float, int, bool)
     computed: set[fx.Node] = set()
     for n in gm.graph.nodes:
-        if (n.op == "call_function" and _is_number_function(n.target)
-                and isinstance(n.meta.get("example_value"), number) and n.all_input_nodes
-                and all(d in reads or d in computed for d in n.all_input_nodes)):
+        if (
+            n.op == "call_function"
+            and _is_number_function(n.target)
+            and isinstance(n.meta.get("example_value"), number)
+            and n.all_input_nodes
+            and all(d in reads or d in computed for d in n.all_input_nodes)
+        ):
             computed.add(n)
     return computed
 
@@ -135,8 +154,14 @@ class PerFloatValue:
     :data:`MAX_FLOAT_VARIANTS` values the graph runs eagerly for the new ones, with a
     warning."""
 
-    def __init__(self, backend: QaicBackend, gm: fx.GraphModule, example_inputs: Sequence[Any],
-                 floats: dict[int, float], grad_mode: bool) -> None:
+    def __init__(
+        self,
+        backend: QaicBackend,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        floats: dict[int, float],
+        grad_mode: bool,
+    ) -> None:
         self.backend = backend
         self.grad_mode = grad_mode
         self.positions = tuple(floats)
@@ -147,15 +172,18 @@ class PerFloatValue:
         self.variants: dict[tuple[str, ...], Callable[..., Any]] = {}
         self.variants[tuple(_float_key(v) for v in floats.values())] = self._compile(gm, example_inputs, floats)
 
-    def _compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], floats: dict[int, float]) -> Callable[..., Any]:
+    def _compile(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], floats: dict[int, float]
+    ) -> Callable[..., Any]:
         try:
             specialize_floats(gm, floats)
         except (ArithmeticError, ValueError):
             # The graph's own arithmetic fails at these values (``math.sqrt(-s)``, ``1 / s``
             # at 0): nothing was changed, and run as it is the graph raises eager's error.
             return gm.forward
-        return self.backend.compile_graph(gm, example_inputs, self.grad_mode,
-                                           {self._names[i]: v for i, v in floats.items()})
+        return self.backend.compile_graph(
+            gm, example_inputs, self.grad_mode, {self._names[i]: v for i, v in floats.items()}
+        )
 
     def __call__(self, *args: Any) -> Any:
         key = tuple(_float_key(float(args[i])) for i in self.positions)
@@ -176,13 +204,16 @@ class PerFloatValue:
             if len(self.variants) >= MAX_FLOAT_VARIANTS:
                 if not self._warned:  # counted and warned once per graph
                     self._warned = True
-                    warn_fallback(f"a graph with dynamic float inputs {[self._names[i] for i in self.positions]}",
-                                  f"they took more than {MAX_FLOAT_VARIANTS} values; calls with a new value run "
-                                  "eagerly (for Python floats, torch._dynamo.config.specialize_float = True makes "
-                                  "Dynamo guard and recompile per value instead)")
+                    warn_fallback(
+                        f"a graph with dynamic float inputs {[self._names[i] for i in self.positions]}",
+                        f"they took more than {MAX_FLOAT_VARIANTS} values; calls with a new value run "
+                        "eagerly (for Python floats, torch._dynamo.config.specialize_float = True makes "
+                        "Dynamo guard and recompile per value instead)",
+                    )
                 return self.pristine.forward
             with compile_session(), collector_paused(), torch.set_grad_enabled(self.grad_mode):
-                compiled = self._compile(_copy_graph_module(self.pristine), args,
-                                         {i: float(args[i]) for i in self.positions})
+                compiled = self._compile(
+                    _copy_graph_module(self.pristine), args, {i: float(args[i]) for i in self.positions}
+                )
             self.variants[key] = compiled
             return compiled

@@ -52,7 +52,16 @@ import torch.fx as fx
 
 from qaic_dynamo.artifact import LAYOUT_FORMAT, SymbolNames
 
-__all__ = ["CanonicalNames", "Fingerprint", "KEYED_NAMESPACES", "KEYED_PACKAGES", "code_digest", "fingerprint", "library_versions", "package_code_digest"]
+__all__ = [
+    "CanonicalNames",
+    "Fingerprint",
+    "KEYED_NAMESPACES",
+    "KEYED_PACKAGES",
+    "code_digest",
+    "fingerprint",
+    "library_versions",
+    "package_code_digest",
+]
 
 #: The package whose code is keyed: qaic_dynamo, all of it.
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
@@ -93,7 +102,11 @@ def code_digest(root: Path = PACKAGE_ROOT) -> str:
     """sha256 over the package's Python sources and built native libraries under ``root``
     (relative path and bytes of each, in sorted order)."""
     h = hashlib.sha256()
-    files = sorted(p for p in root.rglob("*") if p.is_file() and (p.suffix == ".py" or p.name.startswith("_C") and p.suffix in (".so", ".pyd")))
+    files = sorted(
+        p
+        for p in root.rglob("*")
+        if p.is_file() and (p.suffix == ".py" or p.name.startswith("_C") and p.suffix in (".so", ".pyd"))
+    )
     for p in files:
         if "__pycache__" in p.parts:
             continue
@@ -261,8 +274,13 @@ def _graph_body(gm: fx.GraphModule, canon: CanonicalNames, prefix: str = "") -> 
             continue
         canon.nodes[node] = f"{prefix}n{len(body)}"
         body.append(
-            [node.op, _target(node, gm, canon), canon.value(tuple(node.args)), canon.value(dict(node.kwargs)),
-             _traced_value(node.meta.get("val", node.meta.get("example_value")), canon)]
+            [
+                node.op,
+                _target(node, gm, canon),
+                canon.value(tuple(node.args)),
+                canon.value(dict(node.kwargs)),
+                _traced_value(node.meta.get("val", node.meta.get("example_value")), canon),
+            ]
         )
     return body
 
@@ -283,10 +301,23 @@ def _traced_value(v: Any, canon: CanonicalNames) -> Any:
 
 #: Namespaces of ops whose kernels the key covers: torch's own (its version is in the key)
 #: and qaic's (the package's code digest is).
-KEYED_NAMESPACES = frozenset({
-    "aten", "prims", "rngprims", "higher_order", "_c10d_functional", "c10d_functional", "_dtensor", "quantized",
-    "_quantized", "profiler", "inductor", "onnx", "qaic",
-})
+KEYED_NAMESPACES = frozenset(
+    {
+        "aten",
+        "prims",
+        "rngprims",
+        "higher_order",
+        "_c10d_functional",
+        "c10d_functional",
+        "_dtensor",
+        "quantized",
+        "_quantized",
+        "profiler",
+        "inductor",
+        "onnx",
+        "qaic",
+    }
+)
 
 
 def _unkeyed_ops(gm: fx.GraphModule) -> set[str]:
@@ -309,9 +340,7 @@ def fingerprint(gm: fx.GraphModule, example_args: Sequence[Any], config_hash: st
     canon = CanonicalNames()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_args):
-        raise ValueError(
-            f"fingerprint: the piece has {len(placeholders)} inputs but {len(example_args)} example args"
-        )
+        raise ValueError(f"fingerprint: the piece has {len(placeholders)} inputs but {len(example_args)} example args")
     inputs = []
     for i, (node, arg) in enumerate(zip(placeholders, example_args)):
         canon.nodes[node] = f"in{i}"

@@ -99,7 +99,10 @@ def split_graph(gm: fx.GraphModule, splitting_ops: Iterable[str]) -> SplitGraph:
             prev_split = node
         elif prev_split is not None:
             piece_id += 1
-            reasons[piece_id] = (SplitReason.AFTER_SPLITTING_OP, f"{op_name(prev_split.target)} (node {prev_split.name})")
+            reasons[piece_id] = (
+                SplitReason.AFTER_SPLITTING_OP,
+                f"{op_name(prev_split.target)} (node {prev_split.name})",
+            )
             prev_split = None
         assignment[node] = piece_id
 

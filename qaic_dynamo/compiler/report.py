@@ -101,23 +101,38 @@ class GraphReport:
             f"qaic graph {self.graph_index}: {len(self.pieces)} pieces, {self.unique_compiled} compiled, "
             f"{self.reused} reused, {self.disk_hits} from disk, {self.failed} failed; "
             + ", ".join(f"{k} {v:.3f}s" for k, v in self.seconds.items())
-            + (f"; compiled for the values of {len(self.specialized_floats)} dynamic float input(s)"
-               if self.specialized_floats else "")
-            + ("; outputs rebuilt as views after it: " + ", ".join(f"{i} of {base}" for i, base in self.view_outputs.items())
-               if self.view_outputs else ""),
+            + (
+                f"; compiled for the values of {len(self.specialized_floats)} dynamic float input(s)"
+                if self.specialized_floats
+                else ""
+            )
+            + (
+                "; outputs rebuilt as views after it: "
+                + ", ".join(f"{i} of {base}" for i, base in self.view_outputs.items())
+                if self.view_outputs
+                else ""
+            ),
             f"{'#':>3} {'piece':<10} {'kind':<10} {'key':<12} {'source':<7} {'seconds':>8}  why",
         ]
         for p in self.pieces:
             why = p.why + (f"; FALLBACK: {p.fallback}" if p.fallback else "")
             why += f"; lowered by the exporter: {p.exporter_fallback}" if p.exporter_fallback else ""
             source = "-" if p.source is None else p.source.value
-            lines.append(f"{p.index:>3} {p.name:<10} {p.kind.value:<10} {p.key or '-':<12} {source:<7} {p.seconds:>8.3f}  {why}")
+            lines.append(
+                f"{p.index:>3} {p.name:<10} {p.kind.value:<10} {p.key or '-':<12} {source:<7} {p.seconds:>8.3f}  {why}"
+            )
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
         pieces = [dict(asdict(p), reused=p.reused, why=p.why) for p in self.pieces]
-        return {"graph_index": self.graph_index, "config_hash": self.config_hash, "pieces": pieces, "seconds": self.seconds,
-                "specialized_floats": self.specialized_floats, "view_outputs": self.view_outputs}
+        return {
+            "graph_index": self.graph_index,
+            "config_hash": self.config_hash,
+            "pieces": pieces,
+            "seconds": self.seconds,
+            "specialized_floats": self.specialized_floats,
+            "view_outputs": self.view_outputs,
+        }
 
 
 _reports: list[GraphReport] = []

@@ -27,14 +27,60 @@ __all__ = ["ViewOutputs", "peel_view_outputs"]
 # Dynamo's fake values (``reshape``, ``contiguous`` and ``to`` alias only sometimes), and
 # each rebuilt view is checked against them; the list keeps out ops that alias by writing
 # in place (``add_`` returns its input).
-_VIEW_NAMES = frozenset({
-    "alias", "as_strided", "atleast_1d", "atleast_2d", "atleast_3d", "broadcast_to", "chunk", "contiguous",
-    "detach", "diagonal", "dsplit", "expand", "expand_as", "flatten", "getitem", "__getitem__", "hsplit",
-    "movedim", "moveaxis", "narrow", "permute", "reshape", "reshape_as", "select", "split", "split_with_sizes",
-    "squeeze", "swapaxes", "swapdims", "t", "tensor_split", "to", "transpose", "type_as", "unbind", "unflatten",
-    "unfold", "unsqueeze", "view", "view_as", "view_as_complex", "view_as_real", "vsplit",
-    "float", "double", "half", "bfloat16", "int", "long", "bool",  # same dtype: returns self
-})
+_VIEW_NAMES = frozenset(
+    {
+        "alias",
+        "as_strided",
+        "atleast_1d",
+        "atleast_2d",
+        "atleast_3d",
+        "broadcast_to",
+        "chunk",
+        "contiguous",
+        "detach",
+        "diagonal",
+        "dsplit",
+        "expand",
+        "expand_as",
+        "flatten",
+        "getitem",
+        "__getitem__",
+        "hsplit",
+        "movedim",
+        "moveaxis",
+        "narrow",
+        "permute",
+        "reshape",
+        "reshape_as",
+        "select",
+        "split",
+        "split_with_sizes",
+        "squeeze",
+        "swapaxes",
+        "swapdims",
+        "t",
+        "tensor_split",
+        "to",
+        "transpose",
+        "type_as",
+        "unbind",
+        "unflatten",
+        "unfold",
+        "unsqueeze",
+        "view",
+        "view_as",
+        "view_as_complex",
+        "view_as_real",
+        "vsplit",
+        "float",
+        "double",
+        "half",
+        "bfloat16",
+        "int",
+        "long",
+        "bool",  # same dtype: returns self
+    }
+)
 
 
 def _view_name(node: fx.Node) -> str | None:
@@ -84,9 +130,13 @@ def _view_chain(node: fx.Node) -> list[fx.Node]:
         return []
     storage = StorageWeakRef(_value(node).untyped_storage())
     chain = []
-    while _view_name(node) is not None and node.args and isinstance(node.args[0], fx.Node) \
-            and storage in _storages(_value(node.args[0])) \
-            and (isinstance(_value(node.args[0]), torch.Tensor) or _view_name(node.args[0]) is not None):
+    while (
+        _view_name(node) is not None
+        and node.args
+        and isinstance(node.args[0], fx.Node)
+        and storage in _storages(_value(node.args[0]))
+        and (isinstance(_value(node.args[0]), torch.Tensor) or _view_name(node.args[0]) is not None)
+    ):
         # (a tuple only from a view op: ``getitem`` of ``max(x, 0)``'s new tensors is no view)
         chain.append(node)
         node = node.args[0]
@@ -165,8 +215,9 @@ def _peel(gm: fx.GraphModule, skip: frozenset[int]) -> ViewOutputs | None:
         return None
 
     bases = [o for i, o in enumerate(outs) if i not in peeled]
-    bases += [r for r in dict.fromkeys(roots[i] for i in peeled) if r.op not in ("placeholder", "get_attr")
-              and r not in bases]
+    bases += [
+        r for r in dict.fromkeys(roots[i] for i in peeled) if r.op not in ("placeholder", "get_attr") and r not in bases
+    ]
     inner_graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     inner_graph.graph_copy(gm.graph, env)
@@ -202,8 +253,15 @@ def _peel(gm: fx.GraphModule, skip: frozenset[int]) -> ViewOutputs | None:
     views = {}
     for i in peeled:
         root = roots[i]
-        views[i] = (f"input {root.target}" if root.op == "placeholder" else f"attribute {root.target}" if root.op == "get_attr"
-                    else f"output {outs.index(root)}" if root in plain else f"{root.name}, computed")
+        views[i] = (
+            f"input {root.target}"
+            if root.op == "placeholder"
+            else f"attribute {root.target}"
+            if root.op == "get_attr"
+            else f"output {outs.index(root)}"
+            if root in plain
+            else f"{root.name}, computed"
+        )
     return ViewOutputs(inner, epilogue, views)
 
 
@@ -222,8 +280,9 @@ def _epilogue_nodes(chain: list[fx.Node], root: fx.Node) -> list[fx.Node] | None
             needed.append(node)
             return True
         value = _value(node)
-        if node not in chain and (node.op not in ("call_function", "call_method") or value is None
-                                  or _holds_tensor(value)):
+        if node not in chain and (
+            node.op not in ("call_function", "call_method") or value is None or _holds_tensor(value)
+        ):
             return False
         if not all(visit(n) for n in node.all_input_nodes):
             return False
@@ -242,6 +301,7 @@ def _rebuilt_on_fakes(gm: fx.GraphModule, epilogue: fx.GraphModule, bases: list[
     fake_mode = next((a.fake_mode for a in args if isinstance(a, FakeTensor)), None)
     if fake_mode is None or any(a is None for a in args):
         return None
+
     class OnFakes(fx.Interpreter):
         def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:  # the module's real tensor, as a fake
             value = super().get_attr(target, args, kwargs)
@@ -263,7 +323,11 @@ def _same_view(rebuilt: Any, traced: Any) -> bool:
     def same(a: Any, b: Any) -> bool:
         return all(str(x) == str(y) for x, y in zip(a, b, strict=True)) if len(a) == len(b) else False
 
-    return (StorageWeakRef(rebuilt.untyped_storage()) == StorageWeakRef(traced.untyped_storage())
-            and same(rebuilt.shape, traced.shape) and same(rebuilt.stride(), traced.stride())
-            and str(rebuilt.storage_offset()) == str(traced.storage_offset())
-            and rebuilt.dtype == traced.dtype and rebuilt.requires_grad == traced.requires_grad)
+    return (
+        StorageWeakRef(rebuilt.untyped_storage()) == StorageWeakRef(traced.untyped_storage())
+        and same(rebuilt.shape, traced.shape)
+        and same(rebuilt.stride(), traced.stride())
+        and str(rebuilt.storage_offset()) == str(traced.storage_offset())
+        and rebuilt.dtype == traced.dtype
+        and rebuilt.requires_grad == traced.requires_grad
+    )

@@ -48,14 +48,18 @@ def validate_kv_cache_prefix(prefix: Any) -> str | None:
     if prefix.lower() == RETAINED_STATE_SUFFIX[1:].lower():
         # The inputs would be past_key.{i}_RetainedState: named as the retained-state
         # outputs are, which the compiler and is_kv_retained_state tell apart by that suffix.
-        raise ExportError(f"kv_cache_prefix {prefix!r} would name the KV inputs like retained-state outputs "
-                          f"(past_key.0_{prefix}); choose another, e.g. 'vllm' or 'KV0'")
+        raise ExportError(
+            f"kv_cache_prefix {prefix!r} would name the KV inputs like retained-state outputs "
+            f"(past_key.0_{prefix}); choose another, e.g. 'vllm' or 'KV0'"
+        )
     return prefix
 
 
 def kv_stems() -> tuple[str, ...]:
     """Every retained-state stem of the registry's KV-cache updates (past_key, ...)."""
-    return tuple(dict.fromkeys(s for op in QAIC_OPS.values() if op.role is OpRole.KV_CACHE_UPDATE for s in op.retained_state))
+    return tuple(
+        dict.fromkeys(s for op in QAIC_OPS.values() if op.role is OpRole.KV_CACHE_UPDATE for s in op.retained_state)
+    )
 
 
 def retained_state_names(stems: Sequence[str], layer: int) -> list[str]:
@@ -66,8 +70,9 @@ def retained_state_names(stems: Sequence[str], layer: int) -> list[str]:
 
 
 # A KV retained-state output, plain or with a kv_cache_prefix: past_key.3[_P]_RetainedState.
-_KV_OUTPUT = re.compile(r"^(?P<stem>[A-Za-z_]+)\.(?P<layer>\d+)(?:_(?P<prefix>[A-Za-z0-9]+))?"
-                        + RETAINED_STATE_SUFFIX + "$")
+_KV_OUTPUT = re.compile(
+    r"^(?P<stem>[A-Za-z_]+)\.(?P<layer>\d+)(?:_(?P<prefix>[A-Za-z0-9]+))?" + RETAINED_STATE_SUFFIX + "$"
+)
 
 
 def apply_kv_cache_prefix(names: Sequence[str], prefix: str | None) -> list[str]:

@@ -118,8 +118,12 @@ class LLM:
 
         if backend not in BACKENDS:
             raise ValueError(f"LLM: backend must be one of {list(BACKENDS)}, got {backend!r}")
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len), ("block_size", block_size),
-                            ("num_blocks", num_blocks)):
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_model_len", max_model_len),
+            ("block_size", block_size),
+            ("num_blocks", num_blocks),
+        ):
             if value is None and name in ("max_model_len", "num_blocks"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -133,8 +137,10 @@ class LLM:
         if max_model_len is None:
             max_model_len = min(DEFAULT_MAX_MODEL_LEN, positions or DEFAULT_MAX_MODEL_LEN)
         elif positions is not None and max_model_len > positions:
-            raise ValueError(f"LLM: max_model_len={max_model_len} exceeds the model's {max_positions_text(self.model)}; "
-                             f"pass max_model_len <= {positions}")
+            raise ValueError(
+                f"LLM: max_model_len={max_model_len} exceeds the model's {max_positions_text(self.model)}; "
+                f"pass max_model_len <= {positions}"
+            )
         rope = batch_dependent_rope(self.model)
         if rope is not None and max_num_seqs > 1 and max_model_len > rope[1]:
             # The engine runs a step's requests as one sequence of tokens, so one request
@@ -142,7 +148,8 @@ class LLM:
             raise ValueError(
                 f"LLM: the model's rope_type {rope[0]!r} takes its frequencies from the longest sequence in a forward "
                 f"once it passes {rope[1]} tokens (transformers), so requests batched together would change each "
-                f"other's outputs; pass max_model_len <= {rope[1]}, or max_num_seqs=1 to serve one request at a time")
+                f"other's outputs; pass max_model_len <= {rope[1]}, or max_num_seqs=1 to serve one request at a time"
+            )
         self.backend = backend
         self.max_num_seqs, self.max_model_len, self.block_size = max_num_seqs, max_model_len, block_size
         blocks_per_seq = -(-max_model_len // block_size)
@@ -234,13 +241,9 @@ class LLM:
                 raise ValueError(f"generate: prompt {i} is empty; every prompt needs at least one token")
             bad = [t for t in p if not 0 <= t < vocab]
             if bad:
-                raise ValueError(
-                    f"generate: prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
-                )
+                raise ValueError(f"generate: prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
             if len(p) > self.max_model_len:
-                raise ValueError(
-                    f"generate: prompt {i} has {len(p)} tokens but max_model_len={self.max_model_len}"
-                )
+                raise ValueError(f"generate: prompt {i} has {len(p)} tokens but max_model_len={self.max_model_len}")
             if len(p) + max_new_tokens > self.max_model_len:
                 raise ValueError(
                     f"generate: prompt {i} ({len(p)} tokens) + max_new_tokens={max_new_tokens} exceeds "
@@ -267,8 +270,10 @@ class LLM:
             return [o.token_ids for o in self.generate_outputs(prompts, params)]
         per = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per) != len(prompts) or not all(isinstance(p, SamplingParams) for p in per):
-            raise TypeError("generate: params must be an int (greedy max_new_tokens), a SamplingParams, or one "
-                            f"SamplingParams per prompt ({len(prompts)}); got {params!r}")
+            raise TypeError(
+                "generate: params must be an int (greedy max_new_tokens), a SamplingParams, or one "
+                f"SamplingParams per prompt ({len(prompts)}); got {params!r}"
+            )
         return self._generate(prompts, per, return_logits=False)
 
     @torch.no_grad()
@@ -345,7 +350,9 @@ class LLM:
         self.stats = {"steps": steps, "tokens": tokens, "seconds": time.perf_counter() - t0}
         return [
             RequestOutput(
-                r.prompt_token_ids, r.output_token_ids, r.logits,
+                r.prompt_token_ids,
+                r.output_token_ids,
+                r.logits,
                 text=self._decode(r.output_token_ids) if self.tokenizer else None,
                 prompt=prompts[r.request_id] if isinstance(prompts[r.request_id], str) else None,
                 finish_reason="stop" if r.stopped else "length",
@@ -392,7 +399,7 @@ class LLM:
                     f"execute_model: request {r.request_id} has block ids outside [0, {self.num_blocks}): "
                     f"{[b for b in r.block_ids if not 0 <= b < self.num_blocks][:5]}"
                 )
-        new_tokens = [r.all_token_ids[r.num_computed_tokens:] for r in requests]
+        new_tokens = [r.all_token_ids[r.num_computed_tokens :] for r in requests]
         q_lens = [len(t) for t in new_tokens]
         seq_lens = [r.num_tokens for r in requests]  # tokens in the cache after this step
         ids = [t for toks in new_tokens for t in toks]
@@ -405,8 +412,9 @@ class LLM:
         input_ids, pos = torch.tensor(ids), torch.tensor(positions)
         for t in (input_ids, pos, logits_indices):
             maybe_mark_dynamic(t, 0)
-        md = build_attention_metadata(seq_lens, q_lens, [r.block_ids for r in requests], self.block_size,
-                                      num_tokens=num_tokens)
+        md = build_attention_metadata(
+            seq_lens, q_lens, [r.block_ids for r in requests], self.block_size, num_tokens=num_tokens
+        )
         with torch.no_grad(), set_forward_context(md, self.kv_caches, self.kv_cache_layers) as ctx:
             logits = self._fn(input_ids, pos, logits_indices)
             written = ctx.kv_cache_layer_index
@@ -427,8 +435,11 @@ def _load_tokenizer(model: Any, tokenizer: Any) -> Any:
     from pathlib import Path
 
     if tokenizer is None:
-        if isinstance(model, (str, os.PathLike)) and Path(model).is_dir() and any(
-                (Path(model) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        if (
+            isinstance(model, (str, os.PathLike))
+            and Path(model).is_dir()
+            and any((Path(model) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+        ):
             tokenizer = model
         else:
             return None

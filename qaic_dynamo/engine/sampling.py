@@ -51,8 +51,11 @@ class SamplingParams:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise bad("max_tokens", "an int >= 1")
         # Not inf: every finite logit would divide to 0, a uniform draw past top_k / top_p.
-        if (not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool)
-                or not 0 <= self.temperature < math.inf):
+        if (
+            not isinstance(self.temperature, (int, float))
+            or isinstance(self.temperature, bool)
+            or not 0 <= self.temperature < math.inf
+        ):
             raise bad("temperature", "a finite number >= 0 (0 = greedy)")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise bad("top_k", "an int >= 1, or 0 / -1 for all tokens")
@@ -79,7 +82,7 @@ SEED_RANGE = "an int in [-2**63, 2**64) (torch.Generator's range)"
 
 def is_seed(v: Any) -> bool:
     """An int (Python or numpy, not a bool) that ``torch.Generator.manual_seed`` takes."""
-    return is_token_id(v) and -2**63 <= int(v) < 2**64
+    return is_token_id(v) and -(2**63) <= int(v) < 2**64
 
 
 def is_token_id(t: Any) -> bool:

@@ -14,7 +14,13 @@ import torch.fx as fx
 
 from qaic_dynamo._compat import pytree, torch_onnx_internals
 
-__all__ = ["NegativeZero", "exact_float64_scalars", "expand_sym_numel", "insert_type_promotion", "keep_negative_zeros_apart"]
+__all__ = [
+    "NegativeZero",
+    "exact_float64_scalars",
+    "expand_sym_numel",
+    "insert_type_promotion",
+    "keep_negative_zeros_apart",
+]
 
 _aten = torch.ops.aten
 
@@ -35,8 +41,12 @@ def exact_float64_scalars(gm: fx.GraphModule) -> None:
 
     for node in list(gm.graph.nodes):
         val = node.meta.get("val")
-        if (node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload)
-                or not isinstance(val, torch.Tensor) or val.dtype != torch.float64):
+        if (
+            node.op != "call_function"
+            or not isinstance(node.target, torch._ops.OpOverload)
+            or not isinstance(val, torch.Tensor)
+            or val.dtype != torch.float64
+        ):
             continue
         if node.target is _aten.scalar_tensor.default and isinstance(node.args[0], float):
             # type promotion wraps a scalar operand so (then translated the same way)
@@ -108,8 +118,9 @@ def _needs_promotion(node: fx.Node, rule: Any) -> bool:
         scalar = scalar_dtype(type(v))
         return scalar is not None and scalar != dtype
 
-    return any(casts(v, info.args_dtypes.get(i)) for i, v in enumerate(args)) or \
-        any(casts(v, info.kwargs_dtypes.get(k)) for k, v in kwargs.items())
+    return any(casts(v, info.args_dtypes.get(i)) for i, v in enumerate(args)) or any(
+        casts(v, info.kwargs_dtypes.get(k)) for k, v in kwargs.items()
+    )
 
 
 def expand_sym_numel(gm: fx.GraphModule) -> None:
@@ -126,7 +137,9 @@ def expand_sym_numel(gm: fx.GraphModule) -> None:
                 size = gm.graph.call_function(torch.ops.aten.sym_size.int, (x, d))
                 size.meta["val"] = x.meta["val"].shape[d]
                 product = size if product is None else gm.graph.call_function(operator.mul, (product, size))
-                product.meta["val"] = size.meta["val"] if product is size else product.args[0].meta["val"] * size.meta["val"]
+                product.meta["val"] = (
+                    size.meta["val"] if product is size else product.args[0].meta["val"] * size.meta["val"]
+                )
                 for new in (size, product):  # keep the replaced node's annotations (export's block tags)
                     if "custom" in node.meta:
                         new.meta["custom"] = node.meta["custom"]
@@ -155,6 +168,7 @@ class NegativeZero(float):
 
 def keep_negative_zeros_apart(gm: fx.GraphModule) -> None:
     """Every ``-0.0`` argument of the graph (also inside lists) becomes :class:`NegativeZero`."""
+
     def swap(a: Any) -> Any:
         if type(a) is float and a == 0.0 and math.copysign(1.0, a) < 0:
             return NegativeZero(-0.0)

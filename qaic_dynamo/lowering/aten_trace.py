@@ -36,8 +36,9 @@ from qaic_dynamo.lowering.writes import is_mutation, refuse_aten_input_writes
 __all__ = ["aten_graph", "fake_inputs"]
 
 
-def fake_inputs(example: Sequence[torch.Tensor], dynamic_shapes: Sequence[dict[int, Any] | None],
-                duck_shape: bool = True) -> list[torch.Tensor]:
+def fake_inputs(
+    example: Sequence[torch.Tensor], dynamic_shapes: Sequence[dict[int, Any] | None], duck_shape: bool = True
+) -> list[torch.Tensor]:
     """Fresh fake inputs whose dynamic dims (and only those) are symbols; dims given the
     same *string* name (the deployment export's "batch_size", "ctx_len") are one symbol.
     ``duck_shape=False``: equal example sizes stay separate symbols.
@@ -71,8 +72,12 @@ def fake_inputs(example: Sequence[torch.Tensor], dynamic_shapes: Sequence[dict[i
 
 
 def aten_graph(
-    fn: Any, example: Sequence[torch.Tensor], dynamic_shapes: Sequence[dict[int, Any] | None], opset: int,
-    keep_symbols_apart: bool = False, guards_follow_from: Sequence[tuple[Any, ...]] | None = None,
+    fn: Any,
+    example: Sequence[torch.Tensor],
+    dynamic_shapes: Sequence[dict[int, Any] | None],
+    opset: int,
+    keep_symbols_apart: bool = False,
+    guards_follow_from: Sequence[tuple[Any, ...]] | None = None,
 ) -> fx.GraphModule:
     """``fn`` (a piece, or any traceable callable of tensors) as a functional aten graph,
     decomposed to what the registry translates: one fake-tensor trace with the
@@ -98,8 +103,10 @@ def aten_graph(
             refuse_aten_input_writes(gm)
             # Through an Interpreter, so node annotations (preserve_node_meta) carry over.
             first = gm
-            gm = make_fx(torch.func.functionalize(lambda *a: fx.Interpreter(first).run(*a), remove="mutations"),
-                         tracing_mode="fake")(*fakes)
+            gm = make_fx(
+                torch.func.functionalize(lambda *a: fx.Interpreter(first).run(*a), remove="mutations"),
+                tracing_mode="fake",
+            )(*fakes)
         insert_type_promotion(gm)
         internals.fx_passes.remove_assertion_nodes(gm)
     # The trace ran in a private shape env whose guards are dropped: if it specialised a
@@ -115,8 +122,9 @@ def aten_graph(
             raise DirectPathError("(trace)", f"the trace related dynamic sizes {merged}")
         if guards_follow_from is not None:
             implied: list[sympy.Basic] = []
-            unproven = guards_not_implied(fakes, shape_env, guards_follow_from, strict=keep_symbols_apart,
-                                           implied=implied)
+            unproven = guards_not_implied(
+                fakes, shape_env, guards_follow_from, strict=keep_symbols_apart, implied=implied
+            )
             if unproven:
                 raise SizeBranchError("(trace)", f"size guards {unproven} do not follow from Dynamo's")
             gm.meta["size_assumptions"] = implied

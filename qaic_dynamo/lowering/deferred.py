@@ -17,7 +17,13 @@ from typing import Any
 
 from qaic_dynamo.lowering.signatures import memoized_op_signatures
 
-__all__ = ["TORCH_LIB_PREFIX", "deferred_script_conversion", "deferred_script_function_class", "deferred_signature_traced_function_class", "is_torch_lib_function"]
+__all__ = [
+    "TORCH_LIB_PREFIX",
+    "deferred_script_conversion",
+    "deferred_script_function_class",
+    "deferred_signature_traced_function_class",
+    "is_torch_lib_function",
+]
 
 
 TORCH_LIB_PREFIX = "onnxscript.function_libs.torch_lib."
@@ -62,7 +68,9 @@ def deferred_script_conversion() -> Iterator[None]:
             _deferral["saved"] = (script, traced)
             deferred = deferred_script_function_class()
 
-            def deferred_script(opset: Any = None, default_opset: Any = None, **kwargs: Any) -> Callable[[Callable], Any]:
+            def deferred_script(
+                opset: Any = None, default_opset: Any = None, **kwargs: Any
+            ) -> Callable[[Callable], Any]:
                 real = script(opset, default_opset, **kwargs)  # validates the arguments, as before
 
                 def decorate(func: Callable) -> Any:

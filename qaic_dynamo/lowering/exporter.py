@@ -55,8 +55,9 @@ def lower_with_exporter(prepared: PreparedPiece, opset: int) -> onnx.ModelProto:
                 raise
             return _exported_model(prepared, prepared.real_example, opset)
     except SizeBranchError as e:
-        raise LoweringError(f"its export branches on a dynamic size ({e}); compiled, it would serve sizes the branch "
-                            "is wrong for") from e
+        raise LoweringError(
+            f"its export branches on a dynamic size ({e}); compiled, it would serve sizes the branch is wrong for"
+        ) from e
     except Exception as e:
         raise LoweringError(f"the ONNX exporter failed: {first_line(e)}{_fix_hint(e)}") from e
 
@@ -65,13 +66,16 @@ def lower_with_exporter(prepared: PreparedPiece, opset: int) -> onnx.ModelProto:
 UNTRANSLATABLE_OP_FIXES = {
     "transformers.grouped_mm_fallback": (
         "transformers' default 'grouped_mm' experts run an opaque loop over data-dependent group sizes; call "
-        "model.set_experts_implementation('batched_mm') before compiling (qaic_dynamo.LLM does)"),
+        "model.set_experts_implementation('batched_mm') before compiling (qaic_dynamo.LLM does)"
+    ),
 }
 
 
 def _fix_hint(e: BaseException) -> str:
     text = str(e)
-    return next((f" ({fix})" for op, fix in UNTRANSLATABLE_OP_FIXES.items() if f"'{op}'" in text or f"{op}." in text), "")
+    return next(
+        (f" ({fix})" for op, fix in UNTRANSLATABLE_OP_FIXES.items() if f"'{op}'" in text or f"{op}." in text), ""
+    )
 
 
 def _exported_model(prepared: PreparedPiece, example: Sequence[torch.Tensor], opset: int) -> onnx.ModelProto:
@@ -94,12 +98,14 @@ def _exported_model(prepared: PreparedPiece, example: Sequence[torch.Tensor], op
         # and the outer compile crashed building its guards on the freed entries
         # (InternalTorchDynamoError or a segfault; seen on a recompile of a model whose
         # float attribute had become a graph input).
-        exported = torch.export.export(prepared.gm, tuple(example), dynamic_shapes=tuple(prepared.dynamic_shapes),
-                                       strict=False)
+        exported = torch.export.export(
+            prepared.gm, tuple(example), dynamic_shapes=tuple(prepared.dynamic_shapes), strict=False
+        )
         # Eager's arithmetic on this path too (the exporter's own decompositions follow);
         # torch.export keeps sdpa whole, so it is opened to reach the CPU kernel's op.
         exported = exported.run_decompositions(
-            {**TORCH_SEMANTICS, _aten.scaled_dot_product_attention.default: open_sdpa})
+            {**TORCH_SEMANTICS, _aten.scaled_dot_product_attention.default: open_sdpa}
+        )
         internals = torch_onnx_internals()
         if internals is not None:
             # opset_version=None: the registry already targets the opset, so no version
@@ -116,7 +122,11 @@ def _exported_model(prepared: PreparedPiece, example: Sequence[torch.Tensor], op
             # decompositions happen inside it (docs/usage.md).
             _check_export_guards(exported, prepared)
             program = torch.onnx.export(
-                exported, dynamo=True, opset_version=opset, custom_translation_table=qaic_translations(), **common,
+                exported,
+                dynamo=True,
+                opset_version=opset,
+                custom_translation_table=qaic_translations(),
+                **common,
             )
         return program.model_proto
 
@@ -130,8 +140,16 @@ def _check_export_guards(exported: Any, prepared: PreparedPiece) -> None:
         return
     placeholders = {n.name: n for n in exported.graph.nodes if n.op == "placeholder"}
     values = [placeholders[name].meta.get("val") for name in exported.graph_signature.user_inputs]
-    shape_env = next((d.node.shape_env for v in values if isinstance(v, torch.Tensor) for d in v.shape
-                      if isinstance(d, torch.SymInt)), None)
+    shape_env = next(
+        (
+            d.node.shape_env
+            for v in values
+            if isinstance(v, torch.Tensor)
+            for d in v.shape
+            if isinstance(d, torch.SymInt)
+        ),
+        None,
+    )
     if shape_env is None:
         return
     implied: list[sympy.Basic] = []

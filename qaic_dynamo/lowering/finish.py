@@ -21,7 +21,9 @@ __all__ = ["finish_model", "finish_piece_model", "keep_reduced_float_roundings"]
 
 def finish_piece_model(model: onnx.ModelProto, layout: PieceLayout, opset: int) -> onnx.ModelProto:
     """Make the exported piece self-contained and clean, and check it."""
-    if layout.kv_updates and not any(n.op_type == "KVCacheScatter" and n.domain == QAIC_DOMAIN for n in model.graph.node):
+    if layout.kv_updates and not any(
+        n.op_type == "KVCacheScatter" and n.domain == QAIC_DOMAIN for n in model.graph.node
+    ):
         raise LoweringError("the exported model has no KVCacheScatter node for its cache update")
     model = finish_model(model, opset, keep_roundings=True)
     names = [i.name for i in model.graph.input]
@@ -44,14 +46,23 @@ def keep_reduced_float_roundings(model: onnx.ModelProto) -> None:
     alone) keeps them; the session must not remove Identity nodes (``artifact.load``).
     Within a chain of float16 ops ONNX Runtime still rounds once, and Casts inside If / Loop
     bodies (``torch.cond``) are left as they are (docs/usage.md)."""
-    types = {v.name: v.type.tensor_type.elem_type
-             for v in (*model.graph.input, *model.graph.value_info, *model.graph.output)}
+    types = {
+        v.name: v.type.tensor_type.elem_type for v in (*model.graph.input, *model.graph.value_info, *model.graph.output)
+    }
     types.update({t.name: t.data_type for t in model.graph.initializer})
     nodes: list[onnx.NodeProto] = []
     for i, node in enumerate(model.graph.node):
-        to = next((a.i for a in node.attribute if a.name == "to"), None) if node.op_type == "Cast" and not node.domain else None
+        to = (
+            next((a.i for a in node.attribute if a.name == "to"), None)
+            if node.op_type == "Cast" and not node.domain
+            else None
+        )
         # An input of unknown type gets one too: an Identity costs nothing where none is needed.
-        if to is not None and to not in _REDUCED_FLOATS and types.get(node.input[0], _REDUCED_FLOATS[0]) in _REDUCED_FLOATS:
+        if (
+            to is not None
+            and to not in _REDUCED_FLOATS
+            and types.get(node.input[0], _REDUCED_FLOATS[0]) in _REDUCED_FLOATS
+        ):
             kept = f"{node.input[0]}__rounded_{i}"
             nodes.append(onnx.helper.make_node("Identity", [node.input[0]], [kept], name=f"keep_rounding_{i}"))
             node.input[0] = kept
@@ -64,7 +75,9 @@ def keep_reduced_float_roundings(model: onnx.ModelProto) -> None:
     model.graph.node.extend(nodes)
 
 
-def finish_model(model: onnx.ModelProto, opset: int, check: bool = True, keep_roundings: bool = False) -> onnx.ModelProto:
+def finish_model(
+    model: onnx.ModelProto, opset: int, check: bool = True, keep_roundings: bool = False
+) -> onnx.ModelProto:
     """Make a translated model self-contained and clean (onnxscript's helper functions
     inlined, our functions attached, no unused initializers) and, with ``check``, pass
     ``onnx.checker.check_model(full_check=True)``. ``keep_roundings``: for ONNX Runtime

@@ -100,18 +100,26 @@ def grad_mode_refusal(gm: fx.GraphModule, graph_grad_mode: bool) -> str | None:
     own mode (transformers' rotary embedding ends its ``no_grad`` block that way, and the
     pieces after it start with that switch) change nothing and are compiled."""
     for node in gm.graph.nodes:
-        if (node.op == "call_function" and node.target is torch._C._set_grad_enabled
-                and bool(node.args[0]) != graph_grad_mode):
-            return (f"the piece switches grad mode {'on' if node.args[0] else 'off'} (torch.enable_grad() / "
-                    "torch.no_grad() inside the compiled code), which a lowered piece cannot do; it runs eagerly")
+        if (
+            node.op == "call_function"
+            and node.target is torch._C._set_grad_enabled
+            and bool(node.args[0]) != graph_grad_mode
+        ):
+            return (
+                f"the piece switches grad mode {'on' if node.args[0] else 'off'} (torch.enable_grad() / "
+                "torch.no_grad() inside the compiled code), which a lowered piece cannot do; it runs eagerly"
+            )
     return None
 
 
 def _check_bindable(layout: PieceLayout, example_args: Sequence[Any]) -> None:
     """Refuse, before any export, a piece whose ONNX inputs or outputs have a dtype the
     runtime cannot bind (uint8, int8, complex, ...): its artifact could never load."""
-    bad = [(o["name"], o.get("dtype")) for o in layout.outputs
-           if getattr(torch, str(o.get("dtype")), None) not in ONNX_ELEMENT_TYPES]
+    bad = [
+        (o["name"], o.get("dtype"))
+        for o in layout.outputs
+        if getattr(torch, str(o.get("dtype")), None) not in ONNX_ELEMENT_TYPES
+    ]
     for i in layout.inputs:
         src = i["source"]
         if src[0] == "arg" and isinstance(example_args[src[1]], torch.Tensor):
@@ -122,7 +130,8 @@ def _check_bindable(layout: PieceLayout, example_args: Sequence[Any]) -> None:
         raise LoweringError(
             f"the runtime cannot bind {', '.join(f'{n} ({d})' for n, d in bad)}; it binds "
             f"{sorted(dtype_name(d) for d in ONNX_ELEMENT_TYPES)}. Cast to a supported dtype inside the model, "
-            "or leave this part to eager PyTorch")
+            "or leave this part to eager PyTorch"
+        )
 
 
 def _lower_direct(prepared: PreparedPiece, opset: int, seconds: dict[str, float]) -> onnx.ModelProto:
@@ -131,16 +140,23 @@ def _lower_direct(prepared: PreparedPiece, opset: int, seconds: dict[str, float]
     try:
         # At the example sizes, a branch a decomposition takes on a size (a split's
         # remainder at 17) must hold at every size Dynamo sends this graph.
-        gm = aten_graph(prepared.gm, prepared.example, prepared.dynamic_shapes, opset,
-                        guards_follow_from=prepared.dynamo_sizes)
+        gm = aten_graph(
+            prepared.gm, prepared.example, prepared.dynamic_shapes, opset, guards_follow_from=prepared.dynamo_sizes
+        )
     except LoweringError:
         raise
     except Exception as at_primes:
         if prepared.real_example is None:
             raise
         try:  # the sizes Dynamo saw satisfy its guards (see export_inputs)
-            gm = aten_graph(prepared.gm, prepared.real_example, prepared.dynamic_shapes, opset, keep_symbols_apart=True,
-                            guards_follow_from=prepared.dynamo_sizes)
+            gm = aten_graph(
+                prepared.gm,
+                prepared.real_example,
+                prepared.dynamic_shapes,
+                opset,
+                keep_symbols_apart=True,
+                guards_follow_from=prepared.dynamo_sizes,
+            )
         except SizeBranchError:
             raise  # never hand such a piece to the exporter (see SizeBranchError)
         except Exception:
@@ -161,8 +177,9 @@ def _export(prepared: PreparedPiece, opset: int, seconds: dict[str, float]) -> t
         except LoweringError:
             raise
         except SizeBranchError as e:
-            raise LoweringError(f"its lowering branches on a dynamic size ({e}); compiled, it would serve sizes "
-                                "the branch is wrong for") from e
+            raise LoweringError(
+                f"its lowering branches on a dynamic size ({e}); compiled, it would serve sizes the branch is wrong for"
+            ) from e
         except DirectPathError as e:
             reason = str(e)
         except Exception as e:  # the trace or a pass failed: the exporter may still manage

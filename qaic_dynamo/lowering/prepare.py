@@ -45,7 +45,19 @@ from qaic_dynamo.lowering.writes import refuse_writes, written_tensors
 from qaic_dynamo.ops import QAIC_OPS, kv_cache_update_op
 from qaic_dynamo.runtime import MAX_SIZE_CARRIER, SIZE_CARRIER_DTYPE, dtype_name
 
-__all__ = ["PreparedPiece", "after_placeholders", "export_inputs", "fake_values", "input_shape", "kv_updates_to_retained_state", "outputs_and_leaves", "prepare", "refuse_input_writes", "size_expression", "sizes_from_tensors"]
+__all__ = [
+    "PreparedPiece",
+    "after_placeholders",
+    "export_inputs",
+    "fake_values",
+    "input_shape",
+    "kv_updates_to_retained_state",
+    "outputs_and_leaves",
+    "prepare",
+    "refuse_input_writes",
+    "size_expression",
+    "sizes_from_tensors",
+]
 
 
 @dataclass
@@ -113,8 +125,12 @@ def sizes_from_tensors(rw: _Rewrite) -> None:
     g = rw.graph
     carriers = set()
     for i, (ph, a) in enumerate(zip(rw.placeholders, rw.example_args)):
-        if (isinstance(a, torch.SymInt) and ph.users and isinstance(a.node.expr, sympy.Symbol)
-                and a.node.expr not in rw.sym_source):
+        if (
+            isinstance(a, torch.SymInt)
+            and ph.users
+            and isinstance(a.node.expr, sympy.Symbol)
+            and a.node.expr not in rw.sym_source
+        ):
             rw.sym_source[a.node.expr] = (i, 0)
             carriers.add(i)
     for i, (ph, a) in enumerate(zip(rw.placeholders, rw.example_args)):
@@ -131,8 +147,10 @@ def sizes_from_tensors(rw: _Rewrite) -> None:
             expr = a.node.expr
             missing = sorted(str(s) for s in expr.free_symbols if s not in rw.sym_source)
             if missing:
-                raise LoweringError(f"symbolic input '{rw.orig_of[ph].name}' = {expr} uses {missing}, which no "
-                                    "tensor input carries as a dimension")
+                raise LoweringError(
+                    f"symbolic input '{rw.orig_of[ph].name}' = {expr} uses {missing}, which no "
+                    "tensor input carries as a dimension"
+                )
             with g.inserting_before(rw.first_body):
                 size = size_expression(g, expr, {s: (rw.placeholders[j], d) for s, (j, d) in rw.sym_source.items()})
             ph.replace_all_uses_with(size)
@@ -229,11 +247,13 @@ def outputs_and_leaves(rw: _Rewrite, out_val: Any) -> tuple[list[list[Any]], lis
             elif isinstance(val, torch.Tensor):
                 if leaf not in onnx_outputs:
                     onnx_outputs.append(leaf)
-                    out_meta.append({
-                        "name": f"out{len(onnx_outputs) - 1}",
-                        "dtype": dtype_name(val.dtype),
-                        "shape": [canon.expr(d.node.expr) if is_symbolic(d) else size_hint(d) for d in val.shape],
-                    })
+                    out_meta.append(
+                        {
+                            "name": f"out{len(onnx_outputs) - 1}",
+                            "dtype": dtype_name(val.dtype),
+                            "shape": [canon.expr(d.node.expr) if is_symbolic(d) else size_hint(d) for d in val.shape],
+                        }
+                    )
                 leaves.append(["onnx", onnx_outputs.index(leaf)])
             else:
                 raise LoweringError(f"piece output {leaf.name} is a {type(val).__name__}")
@@ -252,8 +272,14 @@ def outputs_and_leaves(rw: _Rewrite, out_val: Any) -> tuple[list[list[Any]], lis
             retained_nodes.append(rw.retained[u][j])
             # Retained state is written in place: its dtype is the cache's, its shape the
             # cache's at call time.
-            outputs.append({"name": f"{name}_RetainedState", "target": ["cache", u, j],
-                            "dtype": upd["cache_dims"][j][2], "shape": None})
+            outputs.append(
+                {
+                    "name": f"{name}_RetainedState",
+                    "target": ["cache", u, j],
+                    "dtype": upd["cache_dims"][j][2],
+                    "shape": None,
+                }
+            )
     g.output(tuple(onnx_outputs + retained_nodes))
     return leaves, outputs, pytree.treespec_dumps(spec)
 
@@ -266,8 +292,12 @@ def refuse_input_writes(rw: _Rewrite) -> None:
     orig = rw.orig_of
     refuse_writes(
         [(orig[ph].name, orig[ph].meta.get("val")) for ph in rw.placeholders],
-        ((orig[node], orig[w].meta.get("val")) for node in rw.graph.nodes for w in written_tensors(node)
-         if isinstance(w, fx.Node) and w in orig),
+        (
+            (orig[node], orig[w].meta.get("val"))
+            for node in rw.graph.nodes
+            for w in written_tensors(node)
+            if isinstance(w, fx.Node) and w in orig
+        ),
     )
 
 
@@ -286,7 +316,9 @@ def export_inputs(
     values = {s: next(primes, max(h, 2)) for s, h in hints.items()}
     real_usable = all(h >= 2 for h in hints.values()) and all(
         _concrete(input_shape(rw.example_args, src)[0], hints) <= MAX_SIZE_CARRIER
-        for src in rw.input_sources if src[0] == "size")  # a carrier as long as a seed is not allocated
+        for src in rw.input_sources
+        if src[0] == "size"
+    )  # a carrier as long as a seed is not allocated
     example: list[torch.Tensor] = []
     real: list[torch.Tensor] = []
     dynamic: list[dict[int, Any] | None] = []
@@ -362,8 +394,14 @@ def prepare(gm: fx.GraphModule, example_args: Sequence[Any], fake_mode: Any) -> 
         has_model=bool(outputs),
     )
     return PreparedPiece(
-        fx.GraphModule(gm, g).eval(), example, dynamic, [i["name"] for i in inputs], [o["name"] for o in outputs], layout,
-        real_example, [input_shape(example_args, src) for src in rw.input_sources],
+        fx.GraphModule(gm, g).eval(),
+        example,
+        dynamic,
+        [i["name"] for i in inputs],
+        [o["name"] for o in outputs],
+        layout,
+        real_example,
+        [input_shape(example_args, src) for src in rw.input_sources],
     )
 
 
@@ -380,10 +418,14 @@ def fake_values(gm: fx.GraphModule, example_args: Sequence[Any], fake_mode: Any)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     # A node nothing reads may lack one (Dynamo records no value for a call it keeps only
     # for its side effect, e.g. torch._C._log_api_usage_once); dead code is dropped later.
-    body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output") and (n.users or "example_value" in n.meta)]
-    if (len(placeholders) == len(example_args)
-            and all(n.meta.get("example_value") is a for n, a in zip(placeholders, example_args))
-            and all("example_value" in n.meta for n in body)):
+    body = [
+        n for n in gm.graph.nodes if n.op not in ("placeholder", "output") and (n.users or "example_value" in n.meta)
+    ]
+    if (
+        len(placeholders) == len(example_args)
+        and all(n.meta.get("example_value") is a for n, a in zip(placeholders, example_args))
+        and all("example_value" in n.meta for n in body)
+    ):
         for n in placeholders + body:
             n.meta["val"] = n.meta["example_value"]
         return

@@ -77,8 +77,14 @@ def build_onnx_registry(opset: int) -> Any:
         if target is None:
             continue
         for fn, is_complex in [(f, False) for f in funcs.overloads] + [(f, True) for f in funcs.complex]:
-            meta = reg.OnnxDecompMeta(onnx_function=fn, fx_target=target, signature=None, is_custom=False,
-                                      is_complex=is_complex, skip_signature_inference=True)
+            meta = reg.OnnxDecompMeta(
+                onnx_function=fn,
+                fx_target=target,
+                signature=None,
+                is_custom=False,
+                is_complex=is_complex,
+                skip_signature_inference=True,
+            )
             leave_uninferred(meta)
             registry._register(target, meta)
     registry._cleanup_registry_based_on_opset_version()
@@ -113,7 +119,11 @@ def decompositions(opset: int) -> dict[Any, Any]:
             continue
         # Where torch.onnx's table holds the CompositeImplicitAutograd entry (first found),
         # leave the op out: make_fx then runs that same kernel.
-        if op not in core_aten and internals.export_utils._is_preservable_cia_op(op) and op not in internals.preserved_cia:
+        if (
+            op not in core_aten
+            and internals.export_utils._is_preservable_cia_op(op)
+            and op not in internals.preserved_cia
+        ):
             continue
         table[op] = fn
     for op, ours in TORCH_SEMANTICS.items():

@@ -45,7 +45,6 @@ def infer_op_signatures(registry: Any, graphs: Iterable[fx.Graph] | None) -> Non
                 del _UNINFERRED[id(meta)]
 
 
-
 def leave_uninferred(meta: Any) -> None:
     """Mark a registry meta built with ``skip_signature_inference=True`` as ours to infer."""
     with _signature_lock:

@@ -21,8 +21,13 @@ from qaic_dynamo.artifact import canonical_names, parse_size_assumption
 __all__ = ["guards_not_implied", "holds_over_range", "unmet_size_assumptions"]
 
 
-def guards_not_implied(fakes: Sequence[torch.Tensor], shape_env: Any, dynamo_sizes: Sequence[tuple[Any, ...]],
-                        strict: bool = True, implied: list[sympy.Basic] | None = None) -> list[str]:
+def guards_not_implied(
+    fakes: Sequence[torch.Tensor],
+    shape_env: Any,
+    dynamo_sizes: Sequence[tuple[Any, ...]],
+    strict: bool = True,
+    implied: list[sympy.Basic] | None = None,
+) -> list[str]:
     """The trace's size guards that Dynamo's guards on the same sizes do not imply (all of
     them where that cannot be decided). ``strict=False`` leaves out guards on sizes Dynamo
     does not know (the KV caches' and slot mapping's, which the runtime binds as it finds
@@ -69,7 +74,8 @@ def _implied(expr: sympy.Basic, shape_env: Any, axioms: Any) -> bool:
     if expr is sympy.true or expr is True:
         return True
     return shape_env._maybe_evaluate_static(expr, axioms=axioms) == sympy.true or holds_over_range(
-        expr, shape_env.var_to_range)
+        expr, shape_env.var_to_range
+    )
 
 
 def unmet_size_assumptions(assumptions: Sequence[str], example_args: Sequence[Any]) -> list[str]:
@@ -85,9 +91,15 @@ def unmet_size_assumptions(assumptions: Sequence[str], example_args: Sequence[An
         return []
     canon = canonical_names(example_args)
     symbol_of = {str(c): s for s, c in canon.symbols.items()}  # canonical name -> this compile's symbol
-    shape_env = next((x.node.shape_env for a in example_args
-                      for x in ((*a.shape, *a.stride()) if isinstance(a, torch.Tensor) else (a,))
-                      if isinstance(x, torch.SymInt)), None)
+    shape_env = next(
+        (
+            x.node.shape_env
+            for a in example_args
+            for x in ((*a.shape, *a.stride()) if isinstance(a, torch.Tensor) else (a,))
+            if isinstance(x, torch.SymInt)
+        ),
+        None,
+    )
     unmet = []
     axioms = None
     for text in assumptions:

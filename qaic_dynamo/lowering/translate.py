@@ -17,14 +17,18 @@ from qaic_dynamo.lowering.signatures import infer_op_signatures, memoized_op_sig
 __all__ = ["translate_aten"]
 
 
-def translate_aten(gm: fx.GraphModule, input_names: Sequence[str], output_names: Sequence[str], opset: int) -> onnx.ModelProto:
+def translate_aten(
+    gm: fx.GraphModule, input_names: Sequence[str], output_names: Sequence[str], opset: int
+) -> onnx.ModelProto:
     """Translate an aten graph (from :func:`aten_graph`) node by node through the
     exporter's registry, naming its inputs and outputs. Raises if a node has no
     translation (the piece path then falls back to the exporter)."""
     import onnx_ir as ir
 
     internals = torch_onnx_internals()
-    model = ir.Model(ir.Graph([], [], nodes=[], name="main_graph"), ir_version=MAX_IR_VERSION, producer_name="qaic_dynamo")
+    model = ir.Model(
+        ir.Graph([], [], nodes=[], name="main_graph"), ir_version=MAX_IR_VERSION, producer_name="qaic_dynamo"
+    )
     registry = onnx_registry(opset)
     keep_negative_zeros_apart(gm)
     try:
@@ -37,8 +41,11 @@ def translate_aten(gm: fx.GraphModule, input_names: Sequence[str], output_names:
         raise DirectPathError(failing_op(e), first_line(e)) from e
     internals.ir_passes.add_opset_imports(model)
     if len(model.graph.inputs) != len(input_names) or len(model.graph.outputs) != len(output_names):
-        raise DirectPathError("(graph)", f"translated {len(model.graph.inputs)} inputs / {len(model.graph.outputs)} outputs, "
-                               f"expected {len(input_names)} / {len(output_names)}")
+        raise DirectPathError(
+            "(graph)",
+            f"translated {len(model.graph.inputs)} inputs / {len(model.graph.outputs)} outputs, "
+            f"expected {len(input_names)} / {len(output_names)}",
+        )
     # An output that is an input (a piece passing a tensor through) or another output is
     # one value: naming it as the output renamed the input (the piece then failed its
     # input check and ran eagerly - transformers' sliding-window cache layers do this).

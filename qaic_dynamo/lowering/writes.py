@@ -24,14 +24,43 @@ from qaic_dynamo.errors import LoweringError
 __all__ = ["input_write_error", "is_mutation", "refuse_aten_input_writes", "refuse_writes", "written_tensors"]
 
 
-_INPLACE_OPERATORS = frozenset({
-    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
-    operator.imatmul,
-})
+_INPLACE_OPERATORS = frozenset(
+    {
+        operator.setitem,
+        operator.iadd,
+        operator.isub,
+        operator.imul,
+        operator.itruediv,
+        operator.ifloordiv,
+        operator.imod,
+        operator.ipow,
+        operator.iand,
+        operator.ior,
+        operator.ixor,
+        operator.ilshift,
+        operator.irshift,
+        operator.imatmul,
+    }
+)
 _PLAIN_OPERATORS = frozenset({operator.and_, operator.or_, operator.not_, operator.is_})
-_INPLACE_DUNDERS = frozenset(f"__i{op}__" for op in (
-    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift", "matmul"))
+_INPLACE_DUNDERS = frozenset(
+    f"__i{op}__"
+    for op in (
+        "add",
+        "sub",
+        "mul",
+        "truediv",
+        "floordiv",
+        "mod",
+        "pow",
+        "and",
+        "or",
+        "xor",
+        "lshift",
+        "rshift",
+        "matmul",
+    )
+)
 #: Flags that make a function write: ``F.relu(x, True)``, ``F.batch_norm(..., training=True)``
 #: (its running statistics), ``F.instance_norm(..., use_input_stats=True)``.
 _WRITE_FLAGS = ("inplace", "training", "use_input_stats")
@@ -66,8 +95,11 @@ def written_tensors(node: fx.Node) -> list[Any]:
     if node.kwargs.get("out") is not None:
         return [node.kwargs["out"]]
     if isinstance(target, torch._ops.OpOverload):
-        return [args[i] if i < len(args) else node.kwargs.get(a.name)
-                for i, a in enumerate(target._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+        return [
+            args[i] if i < len(args) else node.kwargs.get(a.name)
+            for i, a in enumerate(target._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        ]
     name = getattr(target, "__name__", "")
     # The trailing underscore marks torch's in-place functions (``torch.relu_``), but the
     # operator module's ``and_`` / ``or_`` / ``not_`` / ``is_`` (``a & b``) write nothing:
@@ -105,7 +137,9 @@ def input_write_error(node: fx.Node, index: int, name: str) -> LoweringError:
 
 
 def is_mutation(node: fx.Node) -> bool:
-    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+    return (
+        node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+    )
 
 
 def refuse_aten_input_writes(gm: fx.GraphModule) -> None:
@@ -114,6 +148,11 @@ def refuse_aten_input_writes(gm: fx.GraphModule) -> None:
     not alias an input (functionalising would turn such a write into a copy nobody reads)."""
     refuse_writes(
         [(n.name, n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"],
-        ((node, w.meta.get("val")) for node in gm.graph.nodes if is_mutation(node)
-         for w in written_tensors(node) if isinstance(w, fx.Node)),
+        (
+            (node, w.meta.get("val"))
+            for node in gm.graph.nodes
+            if is_mutation(node)
+            for w in written_tensors(node)
+            if isinstance(w, fx.Node)
+        ),
     )

@@ -59,8 +59,10 @@ REFERENCE_MODELS = {"llama": (QaicLlamaConfig, QaicLlamaForCausalLM), "mla": (Qa
 def _require_config_json(path: Path) -> None:
     # transformers' own message for a directory without one blames its model_type key.
     if path.is_dir() and not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} has no config.json: a local model directory needs one (and its weights, "
-                                "else the model gets random weights)")
+        raise FileNotFoundError(
+            f"{path} has no config.json: a local model directory needs one (and its weights, "
+            "else the model gets random weights)"
+        )
 
 
 def hf_config(source: str | os.PathLike | dict[str, Any]) -> Any:
@@ -207,12 +209,17 @@ def batch_dependent_rope(model: nn.Module) -> tuple[str, int] | None:
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
     if not isinstance(rope, dict):
         return None
-    kinds = [r for r in rope.values() if isinstance(r, dict)] if all(isinstance(v, dict) for v in rope.values()) else [rope]
+    kinds = (
+        [r for r in rope.values() if isinstance(r, dict)] if all(isinstance(v, dict) for v in rope.values()) else [rope]
+    )
     for r in kinds:
         kind = r.get("rope_type") or r.get("type")
         if kind in BATCH_DEPENDENT_ROPE:
-            length = (r.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", None)
-                      if kind == "longrope" else getattr(cfg, "max_position_embeddings", None))
+            length = (
+                r.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", None)
+                if kind == "longrope"
+                else getattr(cfg, "max_position_embeddings", None)
+            )
             return kind, int(length) if isinstance(length, int) else 0
     return None
 

@@ -30,8 +30,14 @@ import torch.nn as nn
 
 from qaic_dynamo.forward_context import FROM_FORWARD_CONTEXT
 
-__all__ = ["ATTN_IMPLEMENTATION", "HFCausalLM", "SLIDING_WINDOW_MASK", "qaic_mask", "register_qaic_attention",
-           "unsupported_attention_features"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "HFCausalLM",
+    "SLIDING_WINDOW_MASK",
+    "qaic_mask",
+    "register_qaic_attention",
+    "unsupported_attention_features",
+]
 
 ATTN_IMPLEMENTATION = "qaic"
 
@@ -68,8 +74,10 @@ def qaic_attention_forward(
         # applies it, as it does a window the attention passes as an argument.
         window = attention_mask[1]
         if sliding_window is not None and sliding_window != window:
-            raise RuntimeError(f"{type(module).__name__}: the attention passes sliding_window={sliding_window} but "
-                               f"its mask has a window of {window}")
+            raise RuntimeError(
+                f"{type(module).__name__}: the attention passes sliding_window={sliding_window} but "
+                f"its mask has a window of {window}"
+            )
         sliding_window = window
     q = query[0].transpose(0, 1)  # [T, H, D]
     k = key[0].transpose(0, 1)
@@ -77,8 +85,9 @@ def qaic_attention_forward(
     dep = torch.ops.qaic.unified_kv_cache_update(k, v, op_layer_name)
     # Soft-capping (Gemma 2) and sinks (transformers' s_aux, a learned per-head logit) are
     # op arguments: per-layer values never become constants inside a compiled piece.
-    out = torch.ops.qaic.unified_attention(q, k, v, op_layer_name, scaling, sliding_window, dep, softcap,
-                                           kwargs.get("s_aux"))
+    out = torch.ops.qaic.unified_attention(
+        q, k, v, op_layer_name, scaling, sliding_window, dep, softcap, kwargs.get("s_aux")
+    )
     return out.unsqueeze(0), None
 
 
@@ -103,11 +112,15 @@ def qaic_mask(*args: Any, **kwargs: Any) -> tuple[str, int] | None:
     transformers flags with ``use_vmap``)."""
     config = kwargs.get("config")
     if getattr(config, "attention_chunk_size", None) is not None:
-        raise NotImplementedError("attn_implementation='qaic': chunked attention (attention_chunk_size) is not "
-                                  "implemented by the qaic attention op")
+        raise NotImplementedError(
+            "attn_implementation='qaic': chunked attention (attention_chunk_size) is not "
+            "implemented by the qaic attention op"
+        )
     if kwargs.get("use_vmap"):
-        raise NotImplementedError("attn_implementation='qaic': the model combines the causal mask with a mask "
-                                  "function of its own, which the qaic attention op cannot apply")
+        raise NotImplementedError(
+            "attn_implementation='qaic': the model combines the causal mask with a mask "
+            "function of its own, which the qaic attention op cannot apply"
+        )
     window = kwargs.get("local_size")
     return None if window is None else (SLIDING_WINDOW_MASK, int(window))
 
@@ -139,7 +152,8 @@ def unsupported_attention_features(config: Any, layers: list[tuple[str, nn.Modul
     # that is not causal self-attention over one K/V head size.
     found = [f"non-causal attention ({name})" for name, m in layers if getattr(m, "is_causal", True) is False]
     if getattr(config, "attention_chunk_size", None) is not None or "chunked_attention" in (
-            getattr(config, "layer_types", None) or ()):
+        getattr(config, "layer_types", None) or ()
+    ):
         found.append("chunked attention (attention_chunk_size)")
     if getattr(config, "kv_lora_rank", None) is not None:
         # transformers' multi-head latent attention (DeepSeek-V2/V3): keys and values of
@@ -179,8 +193,11 @@ class HFCausalLM(nn.Module):
                 "(LLM's paged KV cache). torch.compile(model, backend='qaic') still compiles it as it is, with its "
                 "own attention and cache"
             )
-        recurrent = sorted({type(m).__name__ for m in hf_model.modules()
-                            if _RECURRENT.search(type(m).__name__)}) if getattr(type(hf_model), "_is_stateful", False) else []
+        recurrent = (
+            sorted({type(m).__name__ for m in hf_model.modules() if _RECURRENT.search(type(m).__name__)})
+            if getattr(type(hf_model), "_is_stateful", False)
+            else []
+        )
         if recurrent:
             # Recurrent state (Mamba mixers beside attention: Falcon-H1, Jamba, ...) is
             # neither cached per sequence nor kept apart between the sequences of a batch.
@@ -227,13 +244,19 @@ class HFCausalLM(nn.Module):
         # expert weights and run dense batched matmuls - static shapes, no per-layer
         # constants, no custom op - where "grouped_mm" (its default) calls a custom op no
         # ONNX translation knows and "eager" loops over experts with data-dependent shapes.
-        if hasattr(type(hf_model), "_can_set_experts_implementation") and type(hf_model)._can_set_experts_implementation():
+        if (
+            hasattr(type(hf_model), "_can_set_experts_implementation")
+            and type(hf_model)._can_set_experts_implementation()
+        ):
             hf_model.set_experts_implementation("batched_mm")
         self.vocab_size = text_config.vocab_size
         # Multi-head attention configs (GPT-2, GPT-NeoX, OPT) have no num_key_value_heads.
         self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
-        self.head_dim = (next(iter(head_dims.values())) if head_dims else getattr(text_config, "head_dim", None)
-                         or text_config.hidden_size // text_config.num_attention_heads)
+        self.head_dim = (
+            next(iter(head_dims.values()))
+            if head_dims
+            else getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        )
 
     @property
     def kv_cache_layers(self) -> list[str]:

@@ -44,8 +44,12 @@ class QaicMLAttention(nn.Module):
     def __init__(self, cfg: QaicMLAConfig, layer_name: str) -> None:
         super().__init__()
         self.cfg = cfg
-        self.h, self.nope, self.rope, self.v = (cfg.num_attention_heads, cfg.qk_nope_head_dim,
-                                                cfg.qk_rope_head_dim, cfg.v_head_dim)
+        self.h, self.nope, self.rope, self.v = (
+            cfg.num_attention_heads,
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+        )
         self.rank = cfg.kv_lora_rank
         self.q_proj = nn.Linear(cfg.hidden_size, self.h * (self.nope + self.rope), bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, self.rank + self.rope, bias=False)
@@ -69,7 +73,7 @@ class QaicMLAttention(nn.Module):
 
     def _up_projections(self):
         w = self.kv_b_proj.weight.view(self.h, self.nope + self.v, self.rank)
-        return w[:, : self.nope], w[:, self.nope:]  # W_UK [H, nope, R], W_UV [H, v, R]
+        return w[:, : self.nope], w[:, self.nope :]  # W_UK [H, nope, R], W_UV [H, v, R]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q_nope, q_pe, c_kv, k_pe = self._project(x, cos, sin)

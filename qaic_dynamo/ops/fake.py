@@ -34,15 +34,16 @@ def _kv_cache_scatter_fake(key, value, key_cache, value_cache, slot_mapping):
 
 @torch.library.register_fake("qaic::ctx_scatter")
 def _ctx_scatter_fake(data, position_ids, updates):
-    torch._check(data.dim() == 4 and updates.dim() == 4 and position_ids.dim() == 2,
-                 lambda: "ctx_scatter: data and updates must be 4-d, position_ids 2-d")
+    torch._check(
+        data.dim() == 4 and updates.dim() == 4 and position_ids.dim() == 2,
+        lambda: "ctx_scatter: data and updates must be 4-d, position_ids 2-d",
+    )
     return torch.empty_like(data, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("qaic::ctx_gather")
 def _ctx_gather_fake(data, ctx_indices):
-    torch._check(data.dim() == 4 and ctx_indices.dim() == 3,
-                 lambda: "ctx_gather: data must be 4-d and ctx_indices 3-d")
+    torch._check(data.dim() == 4 and ctx_indices.dim() == 3, lambda: "ctx_gather: data must be 4-d and ctx_indices 3-d")
     return data.new_empty((ctx_indices.shape[0], ctx_indices.shape[1], ctx_indices.shape[2], data.shape[3]))
 
 

@@ -126,10 +126,20 @@ def CtxScatter(data: TFloat, position_ids: INT64, updates: TFloat) -> TFloat:
 
     # indices [B, H, S, 3] = (b, h, pos[b, s])
     grid = op.Concat(batch, heads, seq, axis=0)
-    b_idx = op.Expand(op.Unsqueeze(op.Range(op.Constant(value_int=0), op.Squeeze(batch, zero), op.Constant(value_int=1)),
-                                   op.Constant(value_ints=[1, 2])), grid)
-    h_idx = op.Expand(op.Unsqueeze(op.Range(op.Constant(value_int=0), op.Squeeze(heads, zero), op.Constant(value_int=1)),
-                                   op.Constant(value_ints=[0, 2])), grid)
+    b_idx = op.Expand(
+        op.Unsqueeze(
+            op.Range(op.Constant(value_int=0), op.Squeeze(batch, zero), op.Constant(value_int=1)),
+            op.Constant(value_ints=[1, 2]),
+        ),
+        grid,
+    )
+    h_idx = op.Expand(
+        op.Unsqueeze(
+            op.Range(op.Constant(value_int=0), op.Squeeze(heads, zero), op.Constant(value_int=1)),
+            op.Constant(value_ints=[0, 2]),
+        ),
+        grid,
+    )
     p_idx = op.Expand(op.Unsqueeze(pos, one), grid)
     indices = op.Concat(op.Unsqueeze(b_idx, three), op.Unsqueeze(h_idx, three), op.Unsqueeze(p_idx, three), axis=3)
     return op.ScatterND(data, indices, src)
@@ -152,10 +162,14 @@ def _schema(name: str, inputs: list[tuple[str, str]], output: str) -> defs.OpSch
     )
 
 
-ctx_scatter_node = Op(qaic_opset, "CtxScatter",
-                      _schema("CtxScatter", [("data", "T"), ("position_ids", "tensor(int64)"), ("updates", "T")], "out"))
-ctx_gather_node = Op(qaic_opset, "CtxGather",
-                     _schema("CtxGather", [("data", "T"), ("ctx_indices", "tensor(int64)")], "out"))
+ctx_scatter_node = Op(
+    qaic_opset,
+    "CtxScatter",
+    _schema("CtxScatter", [("data", "T"), ("position_ids", "tensor(int64)"), ("updates", "T")], "out"),
+)
+ctx_gather_node = Op(
+    qaic_opset, "CtxGather", _schema("CtxGather", [("data", "T"), ("ctx_indices", "tensor(int64)")], "out")
+)
 
 
 _SCHEMA = defs.OpSchema(

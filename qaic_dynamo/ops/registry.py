@@ -63,10 +63,18 @@ QAIC_OPS: dict[str, QaicOp] = {
     for op in (
         QaicOp("qaic::reshape_and_cache", OpRole.KERNEL),
         QaicOp("qaic::kv_cache_scatter", OpRole.RETAINED_STATE_SCATTER, onnx_function="KVCacheScatter"),
-        QaicOp("qaic::unified_kv_cache_update", OpRole.KV_CACHE_UPDATE,
-               retained_state=("past_key", "past_value"), lowers_to="qaic::kv_cache_scatter"),
-        QaicOp("qaic::unified_mla_kv_cache_update", OpRole.KV_CACHE_UPDATE,
-               retained_state=("compressed_kv", "k_pe"), lowers_to="qaic::kv_cache_scatter"),
+        QaicOp(
+            "qaic::unified_kv_cache_update",
+            OpRole.KV_CACHE_UPDATE,
+            retained_state=("past_key", "past_value"),
+            lowers_to="qaic::kv_cache_scatter",
+        ),
+        QaicOp(
+            "qaic::unified_mla_kv_cache_update",
+            OpRole.KV_CACHE_UPDATE,
+            retained_state=("compressed_kv", "k_pe"),
+            lowers_to="qaic::kv_cache_scatter",
+        ),
         QaicOp("qaic::unified_attention", OpRole.SPLITTING),
         QaicOp("qaic::ctx_scatter", OpRole.KERNEL, onnx_function="CtxScatter"),
         QaicOp("qaic::ctx_gather", OpRole.KERNEL, onnx_function="CtxGather"),

@@ -24,9 +24,15 @@ __all__ = ["QAIC_COMPILE_OWN_FLAGS", "extra_flag_problem", "qaic_compile", "qaic
 #: The qaic-compile flags :func:`qaic_compile_command` sets itself, and the argument of
 #: its own that sets each (None: always set as shown).
 QAIC_COMPILE_OWN_FLAGS: dict[str, str | None] = {
-    "-aic-hw": None, "-aic-hw-version": None, "-m": None, "-retained-state": None, "-convert-to-fp16": None,
-    "-aic-num-cores": "num_cores", "-custom-IO-list-file": "custom_io", "-network-specialization-config":
-    "specializations", "-aic-binary-dir": "out_dir",
+    "-aic-hw": None,
+    "-aic-hw-version": None,
+    "-m": None,
+    "-retained-state": None,
+    "-convert-to-fp16": None,
+    "-aic-num-cores": "num_cores",
+    "-custom-IO-list-file": "custom_io",
+    "-network-specialization-config": "specializations",
+    "-aic-binary-dir": "out_dir",
 }
 
 
@@ -38,19 +44,25 @@ def extra_flag_problem(extra: Any) -> str | None:
     not an option name (``-x``, ``a=b``: it would become ``--x``, slipping past the check
     for flags the command sets itself), or a flag the command sets itself."""
     if not isinstance(extra, dict):
-        return (f"compiler options must be a dict of option names to values (e.g. {{'mxfp6_matmul': True}}), got "
-                f"{type(extra).__name__} {extra!r}")
+        return (
+            f"compiler options must be a dict of option names to values (e.g. {{'mxfp6_matmul': True}}), got "
+            f"{type(extra).__name__} {extra!r}"
+        )
     bad = [k for k in extra if not isinstance(k, str) or not _OPTION_KEY.fullmatch(k)]
     if bad:
-        return (f"compiler option names must be letters, digits, '_' and '-', without the leading dash (key_name=v "
-                f"becomes -key-name=v), got {bad}")
+        return (
+            f"compiler option names must be letters, digits, '_' and '-', without the leading dash (key_name=v "
+            f"becomes -key-name=v), got {bad}"
+        )
     own = {flag.lower(): (flag, arg) for flag, arg in QAIC_COMPILE_OWN_FLAGS.items()}
     clashes = [own[("-" + k.replace("_", "-")).lower()] for k in extra if ("-" + k.replace("_", "-")).lower() in own]
     if not clashes:
         return None
     said = ", ".join(f"{flag} (set by {arg})" if arg else f"{flag} (always set)" for flag, arg in clashes)
-    return (f"compiler options repeat flags the qaic-compile command sets itself: {said}; pass num_cores= for the "
-            "cores, and leave the others to the command")
+    return (
+        f"compiler options repeat flags the qaic-compile command sets itself: {said}; pass num_cores= for the "
+        "cores, and leave the others to the command"
+    )
 
 
 def qaic_compile_command(
@@ -75,8 +87,13 @@ def qaic_compile_command(
     if problem:
         raise ValueError(problem)
     cmd = [
-        str(compiler or qaic_compiler_path()), "-aic-hw", "-aic-hw-version=2.0", f"-m={model}",
-        "-retained-state", "-convert-to-fp16", f"-aic-num-cores={num_cores}",
+        str(compiler or qaic_compiler_path()),
+        "-aic-hw",
+        "-aic-hw-version=2.0",
+        f"-m={model}",
+        "-retained-state",
+        "-convert-to-fp16",
+        f"-aic-num-cores={num_cores}",
     ]
     if custom_io is not None:
         cmd.append(f"-custom-IO-list-file={custom_io}")

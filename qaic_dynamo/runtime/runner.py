@@ -94,7 +94,9 @@ class PieceRunner(torch.nn.Module):
     slot mapping.
     """
 
-    def __init__(self, artifact: RunnableArtifact, eager: fx.GraphModule, config: CompilationConfig, label: str) -> None:
+    def __init__(
+        self, artifact: RunnableArtifact, eager: fx.GraphModule, config: CompilationConfig, label: str
+    ) -> None:
         super().__init__()
         self.artifact = artifact
         self.eager = eager
@@ -116,12 +118,19 @@ class PieceRunner(torch.nn.Module):
         spec = pytree.treespec_loads(layout.out_spec)
         self._spec = spec
         self._flat_tuple = spec.type is tuple and all(c.is_leaf() for c in spec.children())
-        self._dep = {leaf[1]: torch.empty(0, dtype=getattr(torch, leaf[1])) for leaf in layout.leaves if leaf[0] == "dep"}
+        self._dep = {
+            leaf[1]: torch.empty(0, dtype=getattr(torch, leaf[1])) for leaf in layout.leaves if leaf[0] == "dep"
+        }
         self._carrier_buffer = torch.empty(0, dtype=SIZE_CARRIER_DTYPE)
         # Returned as they are on every call (dependency tokens, constant leaves).
-        self._persistent = [*self._dep.values(), *(leaf[1] for leaf in layout.leaves
-                                                   if leaf[0] not in ("onnx", "arg", "dep", "sym")
-                                                   and isinstance(leaf[1], torch.Tensor))]
+        self._persistent = [
+            *self._dep.values(),
+            *(
+                leaf[1]
+                for leaf in layout.leaves
+                if leaf[0] not in ("onnx", "arg", "dep", "sym") and isinstance(leaf[1], torch.Tensor)
+            ),
+        ]
         self._run_c = artifact.session._sess.run_with_iobinding if artifact.session is not None else None
         self._release_openmp = config.release_openmp_workers
 
@@ -181,17 +190,24 @@ class PieceRunner(torch.nn.Module):
         # Every cache is written in place in one run: where two share memory (one tensor as
         # a layer's key and value cache, or two layers' caches), which write lands last is
         # up to ONNX Runtime, and attention reads the other.
-        spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes, real) for real, tensors in caches for t in tensors)  # contiguous
+        spans = sorted(
+            (t.data_ptr(), t.data_ptr() + t.nbytes, real) for real, tensors in caches for t in tensors
+        )  # contiguous
         for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
             if start < end:
                 which = f"layer '{a}'" if a == b else f"layers '{a}' and '{b}'"
                 raise CacheLayoutError(
                     f"{self.label}: the caches of {which} share memory (e.g. one tensor given as both a key and a "
-                    "value cache); give each cache a tensor of its own in the forward context")
+                    "value cache); give each cache a tensor of its own in the forward context"
+                )
         return [tensors for _, tensors in caches]
 
     def bind(
-        self, args: Sequence[Any], ctx: Any = None, caches: list[list[torch.Tensor]] | None = None, slot: int | None = None
+        self,
+        args: Sequence[Any],
+        ctx: Any = None,
+        caches: list[list[torch.Tensor]] | None = None,
+        slot: int | None = None,
     ) -> tuple[list[torch.Tensor | None], dict[str, int] | None]:
         """Bind this call's inputs and fresh output tensors on the calling thread's
         binding for ``slot`` (default: ``ctx``'s layer index, else 0); returns (outputs,
@@ -206,8 +222,14 @@ class PieceRunner(torch.nn.Module):
         # The caches' bounds, to tell cheaply (two compares an input) that an input does
         # not share their memory: a piece reading a cache it updates in place would read it
         # as ONNX Runtime orders the two, eager reads it before the update.
-        lo, hi = ((min(c.data_ptr() for layer in caches for c in layer),
-                   max(c.data_ptr() + c.nbytes for layer in caches for c in layer)) if caches else (0, 0))
+        lo, hi = (
+            (
+                min(c.data_ptr() for layer in caches for c in layer),
+                max(c.data_ptr() + c.nbytes for layer in caches for c in layer),
+            )
+            if caches
+            else (0, 0)
+        )
         for name, src in self._inputs:
             kind = src[0]
             if kind == "arg":
@@ -216,10 +238,16 @@ class PieceRunner(torch.nn.Module):
                 if hi:
                     start = t.data_ptr()
                     end = start + t.nbytes if contiguous else _span(t)[1]
-                    if start < hi and lo < end and start < end and any(
-                            _overlap((start, end), _span(c)) for layer in caches for c in layer):
-                        raise PieceRunError(f"input {name} shares memory with a KV cache this piece updates in place, "
-                                            "which ONNX Runtime may read after the update (eager reads it before)")
+                    if (
+                        start < hi
+                        and lo < end
+                        and start < end
+                        and any(_overlap((start, end), _span(c)) for layer in caches for c in layer)
+                    ):
+                        raise PieceRunError(
+                            f"input {name} shares memory with a KV cache this piece updates in place, "
+                            "which ONNX Runtime may read after the update (eager reads it before)"
+                        )
                 if not contiguous:
                     t = t.contiguous()
                     keep.append(t)
@@ -326,8 +354,10 @@ class PieceRunner(torch.nn.Module):
         out = self.eager(*args)
         if error is not None:
             self.use_eager = True
-            warn_fallback(self.label, f"ONNX Runtime failed: {type(error).__name__}: "
-                                      f"{str(error).splitlines()[0] if str(error) else ''}")
+            warn_fallback(
+                self.label,
+                f"ONNX Runtime failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+            )
         return out
 
     def _binds_empty(self, args: Sequence[Any], ctx: Any) -> bool:
@@ -343,7 +373,9 @@ class PieceRunner(torch.nn.Module):
                 return True
         try:
             sym = self.symbol_values(args) if self._needs_symbols else None
-            return any(math.prod(shape_fn(sym)) == 0 for _, target, shape_fn, _ in self._outputs if target[0] != "cache")
+            return any(
+                math.prod(shape_fn(sym)) == 0 for _, target, shape_fn, _ in self._outputs if target[0] != "cache"
+            )
         except Exception:  # noqa: BLE001  (not an empty call; the run's own error stands)
             return False
 

@@ -38,7 +38,9 @@ def create_session(model: Path, num_threads: int) -> ort.InferenceSession:
     training-mode piece from the exporter lost its dropout. EliminateIdentity would remove
     the Identity nodes that keep float16 roundings (``lowering.finish``)."""
     session = ort.InferenceSession(
-        str(model), sess_options=session_options(num_threads), providers=["CPUExecutionProvider"],
+        str(model),
+        sess_options=session_options(num_threads),
+        providers=["CPUExecutionProvider"],
         disabled_optimizers=["EliminateDropout", "EliminateIdentity"],
     )
     compilation_counter.bump(num_runtime_sessions=1)

@@ -144,7 +144,7 @@ class CompiledRegion(nn.Module):
 def _drop_wrapper_prefix(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     inner = prefix + "module."
     for key in [k for k in state if k.startswith(inner)]:
-        state[prefix + key[len(inner):]] = state.pop(key)
+        state[prefix + key[len(inner) :]] = state.pop(key)
 
 
 def _add_wrapper_prefix(region: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
@@ -154,8 +154,8 @@ def _add_wrapper_prefix(region: nn.Module, state: dict[str, Any], prefix: str, *
     # alone a block's own submodule named ``module`` looks wrapped.
     own = set(region._modules["module"].state_dict(keep_vars=True))
     for key in [k for k in state if k.startswith(prefix)]:
-        rest = key[len(prefix):]
-        if rest not in own and rest.startswith("module.") and rest[len("module."):] in own:
+        rest = key[len(prefix) :]
+        if rest not in own and rest.startswith("module.") and rest[len("module.") :] in own:
             continue
         state[prefix + "module." + rest] = state.pop(key)
 

@@ -110,8 +110,9 @@ class GuardedDispatch:
     and head, each called through a function of its own, see ``compile.region_entry``).
     """
 
-    def __init__(self, func: types.FunctionType, compiled: Any, internals: DynamoInternals, module: nn.Module,
-                 method: bool) -> None:
+    def __init__(
+        self, func: types.FunctionType, compiled: Any, internals: DynamoInternals, module: nn.Module, method: bool
+    ) -> None:
         self.module = module  # the module whose hooks send a call through Dynamo
         self.func = func
         self.method = method  # func is type(module).forward, its frame's self is the module
@@ -132,8 +133,9 @@ class GuardedDispatch:
         return cls(type(block).forward, compiled, internals, block, method=True)
 
     @classmethod
-    def for_function(cls, func: types.FunctionType, module: nn.Module, compiled: Any,
-                     internals: DynamoInternals) -> GuardedDispatch:
+    def for_function(
+        cls, func: types.FunctionType, module: nn.Module, compiled: Any, internals: DynamoInternals
+    ) -> GuardedDispatch:
         return cls(func, compiled, internals, module, method=False)
 
     def lookup(self, args: tuple, kwargs: dict[str, Any]) -> Callable | None:
@@ -153,10 +155,16 @@ class GuardedDispatch:
         # nn.Module.__call__ runs hooks, so a hooked call goes to Dynamo; the scan below still
         # runs, so after_dynamo can tell a miss that Dynamo skipped (a TorchDispatchMode
         # such as FlopCounterMode also sets global hooks).
-        hooked = bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                      or module._backward_pre_hooks or any(internals.global_hooks))
-        if self.method and (type(module).forward is not func or "forward" in module.__dict__
-                            or not _calls_forward_plainly(module)):
+        hooked = bool(
+            module._forward_hooks
+            or module._forward_pre_hooks
+            or module._backward_hooks
+            or module._backward_pre_hooks
+            or any(internals.global_hooks)
+        )
+        if self.method and (
+            type(module).forward is not func or "forward" in module.__dict__ or not _calls_forward_plainly(module)
+        ):
             return None
         if func.__code__ is not self.code:  # Dynamo compiles the new code; its entries are not these
             return None
@@ -219,10 +227,12 @@ class GuardedDispatch:
         if missed is not None and len(self._internals.cache_entries(self.code, self.isolate_recompiles_id)) <= missed:
             DYNAMO_SKIPPED.add(self.code)
             if missed >= region_recompile_limit():  # not a skip (a dispatch mode, Dynamo disabled)
-                warn_fallback(f"region code {self.code.co_name}",
-                              f"Dynamo's recompile limit ({missed} compiled entries for this code object, "
-                              "shared by every model of this block class in the process) was reached; "
-                              "torch._dynamo.reset() clears them")
+                warn_fallback(
+                    f"region code {self.code.co_name}",
+                    f"Dynamo's recompile limit ({missed} compiled entries for this code object, "
+                    "shared by every model of this block class in the process) was reached; "
+                    "torch._dynamo.reset() clears them",
+                )
         elif graph_breaks_before >= 0 and self.graph_breaks() > graph_breaks_before:
             DYNAMO_SKIPPED.add(self.code)
 
@@ -231,8 +241,12 @@ class GuardedDispatch:
         them, and the free variables' current values."""
         func = self.func
         kwdefaults = func.__kwdefaults__
-        if (self._bind is None or self._defaults[0] is not func.__defaults__ or self._defaults[1] is not kwdefaults
-                or (kwdefaults is not None and not _same_items(kwdefaults, self._kwdefaults))):
+        if (
+            self._bind is None
+            or self._defaults[0] is not func.__defaults__
+            or self._defaults[1] is not kwdefaults
+            or (kwdefaults is not None and not _same_items(kwdefaults, self._kwdefaults))
+        ):
             # The binder applies the defaults it was built with: rebuild it when they change,
             # also in place (``forward.__kwdefaults__["x"] = ...``), which the frame would see.
             self._bind = _binder(func)
@@ -270,8 +284,12 @@ def _calls_forward_plainly(module: nn.Module) -> bool:
     with its own ``__call__`` (or ``_call_impl``) may change the arguments first, and
     Dynamo runs that; looking up ``forward``'s entries would skip it."""
     cls = type(module)
-    return (cls.__call__ is _MODULE_CALL and cls._call_impl is _MODULE_CALL_IMPL
-            and "_call_impl" not in module.__dict__ and "_wrapped_call_impl" not in module.__dict__)
+    return (
+        cls.__call__ is _MODULE_CALL
+        and cls._call_impl is _MODULE_CALL_IMPL
+        and "_call_impl" not in module.__dict__
+        and "_wrapped_call_impl" not in module.__dict__
+    )
 
 
 _MODULE_CALL = nn.Module.__call__
@@ -298,8 +316,12 @@ def _binder(func: types.FunctionType) -> Callable[[tuple, dict[str, Any]], dict[
     params = list(signature.parameters.values())
     P = inspect.Parameter
     plain = [p.name for p in params[:-2] if p.kind is P.POSITIONAL_OR_KEYWORD and p.default is P.empty]
-    if (len(params) >= 2 and len(plain) == len(params) - 2
-            and params[-2].kind is P.VAR_POSITIONAL and params[-1].kind is P.VAR_KEYWORD):
+    if (
+        len(params) >= 2
+        and len(plain) == len(params) - 2
+        and params[-2].kind is P.VAR_POSITIONAL
+        and params[-1].kind is P.VAR_KEYWORD
+    ):
         n, var_args, var_kwargs = len(plain), params[-2].name, params[-1].name
 
         def bind(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any] | None:

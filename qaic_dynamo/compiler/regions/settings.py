@@ -38,8 +38,9 @@ def region_config() -> Any:
     that code object's cache - the ninth model's layers (another size, another eps) ran
     eagerly, with nothing but Dynamo's log line to say so.
     """
-    return dynamo_config_patch(specialize_float=True, fake_tensor_cache_enabled=False,
-                               recompile_limit=region_recompile_limit())
+    return dynamo_config_patch(
+        specialize_float=True, fake_tensor_cache_enabled=False, recompile_limit=region_recompile_limit()
+    )
 
 
 #: Compiled entries one region code object may hold (see :func:`region_config`); past it

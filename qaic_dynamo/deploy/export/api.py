@@ -87,8 +87,13 @@ class ExportResult:
             f"({len(self.input_names)})",
             f"outputs           {', '.join(self.output_names[:5])}{' ...' if len(self.output_names) > 5 else ''} "
             f"({len(self.output_names)})",
-            f"layers            {self.num_layers} (" + (f"layerwise: {self.traced_layers} traced, one block lowered, "
-                                                   "stitched" if self.layerwise else "whole model") + ")",
+            f"layers            {self.num_layers} ("
+            + (
+                f"layerwise: {self.traced_layers} traced, one block lowered, stitched"
+                if self.layerwise
+                else "whole model"
+            )
+            + ")",
             "seconds           " + ", ".join(f"{k} {v:.2f}" for k, v in self.seconds.items()),
         ]
         if self.compiled:
@@ -116,12 +121,15 @@ def _check_uniform_blocks(path: str, blocks: nn.ModuleList) -> None:
         elif a[2] != b[2]:
             d1, d2 = dict(a[2]), dict(b[2])
             keys = sorted(k for k in d1.keys() | d2.keys() if d1.get(k) != d2.get(k))
-            what = f"{a[0] or 'the block'}: " + ", ".join(f"{k}={d1.get(k)!r} in layer 1, {d2.get(k)!r} in layer {i}"
-                                                          for k in keys)
+            what = f"{a[0] or 'the block'}: " + ", ".join(
+                f"{k}={d1.get(k)!r} in layer 1, {d2.get(k)!r} in layer {i}" for k in keys
+            )
         else:
             what = f"{a[0] or 'the block'}: weights {a[3]} in layer 1, {b[3]} in layer {i}"
-        raise ExportError(f"decoder layer {i} of {path} differs from layer 1 ({what}), so one traced layer "
-                          "cannot stand for all of them; export with layerwise=False")
+        raise ExportError(
+            f"decoder layer {i} of {path} differs from layer 1 ({what}), so one traced layer "
+            "cannot stand for all of them; export with layerwise=False"
+        )
 
 
 @contextlib.contextmanager
@@ -135,6 +143,7 @@ def _first_blocks(model: nn.Module, path: str, n: int) -> Iterator[nn.ModuleList
     stacks: dict[int, contextlib.ExitStack] = {}
     handles = []
     for i, block in enumerate(short):
+
         def pre(mod: nn.Module, args: Any, i: int = i) -> None:
             stacks[i] = contextlib.ExitStack()
             stacks[i].enter_context(torch.fx.traceback.annotate({BLOCK_ANNOTATION: i}))
@@ -158,10 +167,19 @@ def _first_blocks(model: nn.Module, path: str, n: int) -> Iterator[nn.ModuleList
                 stacks.pop(i).close()
 
 
-def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int = 1, prefill_seq_len: int = 32,
-                    ctx_len: int = 128, kv_cache_prefix: str | None = None, layerwise: bool = True,
-                    progress: Callable[[str, int, int], None] | None = None, run_compiler: bool = True,
-                    **options: Any) -> ExportResult:
+def export_for_qaic(
+    model: Any,
+    out_dir: str | os.PathLike,
+    *,
+    batch_size: int = 1,
+    prefill_seq_len: int = 32,
+    ctx_len: int = 128,
+    kv_cache_prefix: str | None = None,
+    layerwise: bool = True,
+    progress: Callable[[str, int, int], None] | None = None,
+    run_compiler: bool = True,
+    **options: Any,
+) -> ExportResult:
     """Export ``model`` for a Cloud AI 100 card into ``out_dir/<hash>/``.
 
     ``model``: what ``LLM`` takes (a transformers causal LM, a local model directory, a
@@ -171,23 +189,33 @@ def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int =
     decoder layers built). ``run_compiler=False`` never runs qaic-compile (the command is
     still written). Raises ExportError for bad options or a model that cannot be exported.
     """
-    opts = ExportOptions.from_options(batch_size=batch_size, prefill_seq_len=prefill_seq_len, ctx_len=ctx_len,
-                                      kv_cache_prefix=kv_cache_prefix, layerwise=layerwise, **options)
+    opts = ExportOptions.from_options(
+        batch_size=batch_size,
+        prefill_seq_len=prefill_seq_len,
+        ctx_len=ctx_len,
+        kv_cache_prefix=kv_cache_prefix,
+        layerwise=layerwise,
+        **options,
+    )
     say = progress or (lambda stage, done, total: None)
     t_start = time.perf_counter()
     engine_model = engine_model_of(model)
     positions = max_positions(engine_model)
     if positions is not None and opts.ctx_len > positions:  # as LLM's max_model_len
-        raise ExportError(f"ctx_len={opts.ctx_len} exceeds the model's {max_positions_text(engine_model)}; "
-                          f"pass ctx_len <= {positions}")
+        raise ExportError(
+            f"ctx_len={opts.ctx_len} exceeds the model's {max_positions_text(engine_model)}; "
+            f"pass ctx_len <= {positions}"
+        )
     rope = batch_dependent_rope(engine_model)
     if rope is not None:
         # transformers picks these frequencies in Python from the longest position in the
         # forward (and longrope's from a tensor attribute it swaps): a traced graph would
         # keep one choice for every sequence.
-        raise ExportError(f"the model's rope_type {rope[0]!r} chooses its RoPE frequencies from the sequence length "
-                          "at run time, which an exported graph cannot; export a model with a fixed rope_type "
-                          "(default, linear, llama3, yarn), or serve this one with LLM(...)")
+        raise ExportError(
+            f"the model's rope_type {rope[0]!r} chooses its RoPE frequencies from the sequence length "
+            "at run time, which an exported graph cannot; export a model with a fixed rope_type "
+            "(default, linear, llama3, yarn), or serve this one with LLM(...)"
+        )
     layer_names = list(engine_model.kv_cache_layers)
     shapes = engine_model.kv_cache_shapes(opts.batch_size, opts.ctx_len)
     past_shapes = [shapes[n] for n in layer_names]
@@ -210,8 +238,10 @@ def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int =
     if opts.layerwise:
         blocks = [(p, lst) for p, lst in find_repeated_blocks(engine_model) if len(lst) == len(layer_names)]
         if not blocks:
-            raise ExportError(f"{type(engine_model).__name__} has no list of {len(layer_names)} decoder blocks; "
-                              "export with layerwise=False")
+            raise ExportError(
+                f"{type(engine_model).__name__} has no list of {len(layer_names)} decoder blocks; "
+                "export with layerwise=False"
+            )
         path, block_list = blocks[0]
         _check_uniform_blocks(path, block_list)
         say("trace", 0, 1)
@@ -231,8 +261,9 @@ def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int =
         model_proto = None
         if L > 2:
             try:
-                model_proto, outputs = layerwise_model(trace, path, L, opts.kv_cache_prefix, opts.opset,
-                                                  lambda i: say("layers", i + 1, L))
+                model_proto, outputs = layerwise_model(
+                    trace, path, L, opts.kv_cache_prefix, opts.opset, lambda i: say("layers", i + 1, L)
+                )
             except BlocksDiffer:
                 trace = trace_first(3)
         say("trace", 1, 1)
@@ -240,8 +271,9 @@ def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int =
             model_proto, outputs = whole_model(trace, opts.kv_cache_prefix, opts.opset)
             say("layers", L, L)
         elif model_proto is None:
-            model_proto, outputs = layerwise_model(trace, path, L, opts.kv_cache_prefix, opts.opset,
-                                              lambda i: say("layers", i + 1, L))
+            model_proto, outputs = layerwise_model(
+                trace, path, L, opts.kv_cache_prefix, opts.opset, lambda i: say("layers", i + 1, L)
+            )
     else:
         say("trace", 0, 1)
         trace = trace_model(engine_model, layer_names, past_shapes, dtype, opts.opset, retained)
@@ -268,20 +300,37 @@ def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int =
 
     inputs = [i.name for i in model_proto.graph.input]  # the weights are initializers by now
     custom_io = export_dir / "custom_io.yaml"
-    custom_io.write_text(custom_io_yaml(outputs, opts.kv_precision,
-                                        {o.name: o.type.tensor_type.elem_type for o in model_proto.graph.output}))
+    custom_io.write_text(
+        custom_io_yaml(
+            outputs, opts.kv_precision, {o.name: o.type.tensor_type.elem_type for o in model_proto.graph.output}
+        )
+    )
     specs_path = export_dir / "specializations.json"
     specs = specializations(opts)
     specs_path.write_text(json.dumps(specs, indent=2) + "\n")
     compiler = qaic_compiler_path()
     probe = compile_command(onnx_path, Path("qpc"), custom_io, specs_path, opts, compiler)
-    qpc_hash = hashlib.sha256(json.dumps({"command": probe, "specializations": specs,
-                                          "custom_io": custom_io.read_text()}, sort_keys=True).encode()).hexdigest()[:16]
+    qpc_hash = hashlib.sha256(
+        json.dumps(
+            {"command": probe, "specializations": specs, "custom_io": custom_io.read_text()}, sort_keys=True
+        ).encode()
+    ).hexdigest()[:16]
     qpc_dir = export_dir / f"qpc-{qpc_hash}"
     cmd = compile_command(onnx_path, qpc_dir, custom_io, specs_path, opts, compiler)
-    (export_dir / "export_params.json").write_text(json.dumps(
-        {"hash": digest, "options": opts.as_dict(), "model": identity,
-         "compile": {"hash": qpc_hash, "command": cmd}}, indent=2, sort_keys=True, default=str) + "\n")
+    (export_dir / "export_params.json").write_text(
+        json.dumps(
+            {
+                "hash": digest,
+                "options": opts.as_dict(),
+                "model": identity,
+                "compile": {"hash": qpc_hash, "command": cmd},
+            },
+            indent=2,
+            sort_keys=True,
+            default=str,
+        )
+        + "\n"
+    )
     compiled, log = False, None
     if run_compiler and compiler.exists() and os.access(compiler, os.X_OK):
         say("qaic-compile", 0, 1)
@@ -293,9 +342,24 @@ def export_for_qaic(model: Any, out_dir: str | os.PathLike, *, batch_size: int =
             raise ExportError(f"qaic-compile failed ({proc.returncode}); see {log}")
         compiled = True
     else:
-        (export_dir / "compile.sh").write_text("#!/bin/sh\n# qaic-compile was not found here; run this where the "
-                                               "Qualcomm Cloud AI SDK is installed.\n" + shlex.join(cmd) + "\n")
+        (export_dir / "compile.sh").write_text(
+            "#!/bin/sh\n# qaic-compile was not found here; run this where the "
+            "Qualcomm Cloud AI SDK is installed.\n" + shlex.join(cmd) + "\n"
+        )
     seconds["total"] = time.perf_counter() - t_start
-    return ExportResult(onnx_path, inputs, outputs, custom_io, specs_path, cmd, export_dir, qpc_dir, compiled,
-                        opts.layerwise, len(layer_names), seconds, log,
-                        trace.num_layers if opts.layerwise else len(layer_names))
+    return ExportResult(
+        onnx_path,
+        inputs,
+        outputs,
+        custom_io,
+        specs_path,
+        cmd,
+        export_dir,
+        qpc_dir,
+        compiled,
+        opts.layerwise,
+        len(layer_names),
+        seconds,
+        log,
+        trace.num_layers if opts.layerwise else len(layer_names),
+    )

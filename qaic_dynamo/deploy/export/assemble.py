@@ -72,8 +72,12 @@ def external_weights(model: onnx.ModelProto, weights: dict[str, torch.Tensor], d
             if t.dtype not in ONNX_ELEMENT_TYPES:
                 raise ExportError(f"weight {name} is {t.dtype}, which ONNX cannot store; cast the model first")
             raw = t.reshape(-1).view(torch.uint8).numpy()
-            tensor = onnx.TensorProto(name=name, data_type=ONNX_ELEMENT_TYPES[t.dtype], dims=list(t.shape),
-                                      data_location=onnx.TensorProto.EXTERNAL)
+            tensor = onnx.TensorProto(
+                name=name,
+                data_type=ONNX_ELEMENT_TYPES[t.dtype],
+                dims=list(t.shape),
+                data_location=onnx.TensorProto.EXTERNAL,
+            )
             for key, value in (("location", data_path.name), ("offset", str(offset)), ("length", str(raw.nbytes))):
                 tensor.external_data.add(key=key, value=value)
             f.write(memoryview(raw))

@@ -19,12 +19,14 @@ __all__ = ["compile_command", "custom_io_yaml", "specializations"]
 
 # ONNX element types the compiler's custom IO can hold at float16 (-convert-to-fp16 makes
 # every float buffer float16 on the device, so fp32, bf16 and fp64 all map to it).
-_FLOAT_ELEM_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
-                               onnx.TensorProto.DOUBLE})
+_FLOAT_ELEM_TYPES = frozenset(
+    {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+)
 
 
-def custom_io_yaml(output_names: Sequence[str], precision: str = "float16",
-                   dtypes: Mapping[str, int] | None = None) -> str:
+def custom_io_yaml(
+    output_names: Sequence[str], precision: str = "float16", dtypes: Mapping[str, int] | None = None
+) -> str:
     """``custom_io.yaml``: every retained-state output paired with its input.
 
     KV buffers are at ``precision`` (float16 by default; mxint8 is for the KV only).
@@ -39,8 +41,10 @@ def custom_io_yaml(output_names: Sequence[str], precision: str = "float16",
         if is_kv_retained_state(out):
             p = precision
         elif out not in dtypes:
-            raise ExportError(f"custom_io_yaml: {out!r} is not a KV buffer and its element type is unknown; "
-                              "pass dtypes={name: onnx element type} for every non-KV retained output")
+            raise ExportError(
+                f"custom_io_yaml: {out!r} is not a KV buffer and its element type is unknown; "
+                "pass dtypes={name: onnx element type} for every non-KV retained output"
+            )
         elif dtypes[out] in _FLOAT_ELEM_TYPES:
             p = "float16"
         else:
@@ -57,15 +61,26 @@ def specializations(options: ExportOptions) -> dict[str, Any]:
     batch-N Decode would give it two. QEfficient prefills at batch 1 only with continuous
     batching, where the KV has a ``full_batch_size`` dimension of its own and a
     ``batch_index`` input picks the row - which this export does not have."""
+
     def entry(name: str, seq: int) -> dict[str, Any]:
-        return {"name": name, "symbols": {"batch_size": str(options.batch_size), "seq_len": str(seq),
-                                          "ctx_len": str(options.ctx_len)}}
+        return {
+            "name": name,
+            "symbols": {"batch_size": str(options.batch_size), "seq_len": str(seq), "ctx_len": str(options.ctx_len)},
+        }
 
     return {"specializations": [entry("Prefill", options.prefill_seq_len), entry("Decode", 1)]}
 
 
-def compile_command(onnx_path: Path, qpc_dir: Path, custom_io: Path, specs: Path, options: ExportOptions,
-                    compiler: Path | None = None) -> list[str]:
+def compile_command(
+    onnx_path: Path, qpc_dir: Path, custom_io: Path, specs: Path, options: ExportOptions, compiler: Path | None = None
+) -> list[str]:
     """The ``qaic-compile`` command line, as a list: the runtime's (one builder for both)."""
-    return qaic_compile_command(onnx_path, qpc_dir, num_cores=options.num_cores, custom_io=custom_io,
-                                specializations=specs, extra=dict(options.compiler_options), compiler=compiler)
+    return qaic_compile_command(
+        onnx_path,
+        qpc_dir,
+        num_cores=options.num_cores,
+        custom_io=custom_io,
+        specializations=specs,
+        extra=dict(options.compiler_options),
+        compiler=compiler,
+    )

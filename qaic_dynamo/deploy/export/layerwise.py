@@ -80,8 +80,14 @@ def _hoist_shared_sizes(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def layerwise_model(trace: Trace, blocks_path: str, num_layers: int, prefix: str | None, opset: int,
-               on_layer: Callable[[int], None] = lambda i: None) -> tuple[onnx.ModelProto, list[str]]:
+def layerwise_model(
+    trace: Trace,
+    blocks_path: str,
+    num_layers: int,
+    prefix: str | None,
+    opset: int,
+    on_layer: Callable[[int], None] = lambda i: None,
+) -> tuple[onnx.ModelProto, list[str]]:
     """Cut a trace of the first two or three blocks into pre / blocks / post, translate
     pre, block 0, block 1 and post once each, and stitch block 0 plus ``num_layers - 1``
     instances of block 1 into one model.
@@ -110,23 +116,27 @@ def layerwise_model(trace: Trace, blocks_path: str, num_layers: int, prefix: str
     try:
         split = split_module(gm, gm, part, keep_original_order=True)
     except Exception as e:
-        raise ExportError(f"the decoder blocks are not separable from the rest of the model ({e}); "
-                          "export with layerwise=False") from e
+        raise ExportError(
+            f"the decoder blocks are not separable from the rest of the model ({e}); export with layerwise=False"
+        ) from e
     calls = {n.target: n for n in split.graph.nodes if n.op == "call_module"}
     names = [f"submod_{k}" for k in range(traced + 2)]
     PRE, POST, blocks = names[0], names[-1], names[1:-1]
     B0, B1, LAST = blocks[0], blocks[1], blocks[-1]
     if set(calls) != set(names):
-        raise ExportError(f"layerwise export expected pre / {traced} blocks / post, got {sorted(calls)}; "
-                          "use layerwise=False")
+        raise ExportError(
+            f"layerwise export expected pre / {traced} blocks / post, got {sorted(calls)}; use layerwise=False"
+        )
     sub = {k: getattr(split, k) for k in calls}
     # The pair of blocks that are one graph: the template's inputs are read off it.
     one, two = blocks[-2], blocks[-1]
     if _graph_signature(sub[one]) != _graph_signature(sub[two]):
         if traced == 2:
             raise BlocksDiffer()
-        raise ExportError("the decoder blocks differ structurally (e.g. per-layer attention types or windows); "
-                          "export with layerwise=False")
+        raise ExportError(
+            "the decoder blocks differ structurally (e.g. per-layer attention types or windows); "
+            "export with layerwise=False"
+        )
 
     placeholder_kind = dict(zip([n for n in split.graph.nodes if n.op == "placeholder"], trace.inputs))
 
@@ -134,7 +144,12 @@ def layerwise_model(trace: Trace, blocks_path: str, num_layers: int, prefix: str
         """("in", kind, ...) for a top-level input, ("out", part, index) for a part's output."""
         if arg.op == "placeholder":
             return ("in",) + tuple(placeholder_kind[arg])
-        if arg.op == "call_function" and arg.args and isinstance(arg.args[0], fx.Node) and arg.args[0].op == "call_module":
+        if (
+            arg.op == "call_function"
+            and arg.args
+            and isinstance(arg.args[0], fx.Node)
+            and arg.args[0].op == "call_module"
+        ):
             return ("out", arg.args[0].target, arg.args[1])
         if arg.op == "call_module":
             return ("out", arg.target, 0)
@@ -189,16 +204,22 @@ def layerwise_model(trace: Trace, blocks_path: str, num_layers: int, prefix: str
                 ins.append(value(srcs[B1][m], i) if i == 1 else prev[s2[2]])
             elif s1 == s2:  # shared by every layer
                 ins.append(value(s1, i))
-            elif s1[:2] == ("in", "weight") and s2[:2] == ("in", "weight") and s1[2].startswith(w1) \
-                    and s2[2] == w2 + s1[2][len(w1):]:
-                ins.append(f"{blocks_path}.{i}." + s1[2][len(w1):])
+            elif (
+                s1[:2] == ("in", "weight")
+                and s2[:2] == ("in", "weight")
+                and s1[2].startswith(w1)
+                and s2[2] == w2 + s1[2][len(w1) :]
+            ):
+                ins.append(f"{blocks_path}.{i}." + s1[2][len(w1) :])
             elif s1[:2] == ("in", "past") and s2[:2] == ("in", "past") and s1[3] == s2[3]:
                 ins.append(past_name[(i, s1[3])])
             elif traced == 2:  # block 0 may be special after all: let a third block tell
                 raise BlocksDiffer()
             else:
-                raise ExportError(f"block input {m} differs between layers in a way layerwise export cannot map "
-                                  f"({s1} vs {s2}); use layerwise=False")
+                raise ExportError(
+                    f"block input {m} differs between layers in a way layerwise export cannot map "
+                    f"({s1} vs {s2}); use layerwise=False"
+                )
         prev = emit(B1, f"layers.{i}", ins)
         block_outs.append(prev)
         on_layer(i)
@@ -214,8 +235,10 @@ def layerwise_model(trace: Trace, blocks_path: str, num_layers: int, prefix: str
         raise ExportError("the logits are not computed after the decoder blocks; use layerwise=False")
     idx0 = [s[2] for s in top[1:] if s[:2] == ("out", B0)]
     idx1 = [s[2] for s in top[1:] if s[:2] == ("out", B1)]
-    values = [emitted[POST][top[0][2]]] + [block_outs[i][k] for i in range(num_layers) for k in (idx0 if i == 0 else idx1)]
-    kept_src = top[len(top) - len(trace.retained):] if trace.retained else []
+    values = [emitted[POST][top[0][2]]] + [
+        block_outs[i][k] for i in range(num_layers) for k in (idx0 if i == 0 else idx1)
+    ]
+    kept_src = top[len(top) - len(trace.retained) :] if trace.retained else []
     if any(s[0] == "out" and s[1] in blocks for s in kept_src):
         raise ExportError("a retained buffer is written inside the decoder blocks; use layerwise=False")
     values += [value(s, 0) for s in kept_src]
@@ -225,16 +248,30 @@ def layerwise_model(trace: Trace, blocks_path: str, num_layers: int, prefix: str
     past_vi = {src[3]: parts[B1].graph.input[m] for m, src in enumerate(srcs[B1]) if src[:2] == ("in", "past")}
     graph_inputs = []
     for name in ("input_ids", "position_ids"):
-        vi = next((parts[k].graph.input[m] for k in (PRE, B0, B1, POST) for m, s in enumerate(srcs[k])
-                   if s == ("in", "input", name)), None)
+        vi = next(
+            (
+                parts[k].graph.input[m]
+                for k in (PRE, B0, B1, POST)
+                for m, s in enumerate(srcs[k])
+                if s == ("in", "input", name)
+            ),
+            None,
+        )
         if vi is None:
             raise ExportError(f"the model does not read {name}")
         graph_inputs.append(_renamed_vi(vi, name))
     graph_inputs += [_renamed_vi(past_vi[j], name) for (i, j), name in past_name.items()]
     kept_vi = {}
     for name in trace.retained:
-        vi = next((parts[k].graph.input[m] for k in (PRE, B0, B1, POST) for m, s in enumerate(srcs[k])
-                   if s == ("in", "retained", name)), None)
+        vi = next(
+            (
+                parts[k].graph.input[m]
+                for k in (PRE, B0, B1, POST)
+                for m, s in enumerate(srcs[k])
+                if s == ("in", "retained", name)
+            ),
+            None,
+        )
         if vi is None:
             raise ExportError(f"the model does not read its retained buffer {name!r}")
         kept_vi[name] = vi
@@ -242,8 +279,12 @@ def layerwise_model(trace: Trace, blocks_path: str, num_layers: int, prefix: str
     inputs_of = align_inputs_to_outputs(outputs)
     by_input = {n: j for (i, j), n in past_name.items()}
     graph_outputs = [_renamed_vi(parts[POST].graph.output[top[0][2]], "logits")]
-    graph_outputs += [_renamed_vi(past_vi[by_input[inputs_of[name]]] if inputs_of[name] in by_input
-                                  else kept_vi[inputs_of[name]], name) for name in outputs[1:]]
+    graph_outputs += [
+        _renamed_vi(
+            past_vi[by_input[inputs_of[name]]] if inputs_of[name] in by_input else kept_vi[inputs_of[name]], name
+        )
+        for name in outputs[1:]
+    ]
     graph = onnx.helper.make_graph(nodes, "main_graph", graph_inputs, graph_outputs, initializer=initializers)
     model = onnx.helper.make_model(graph, opset_imports=list(parts[B1].opset_import), producer_name="qaic_dynamo")
     return finish_model(model, opset, check=False), outputs
@@ -259,6 +300,7 @@ def _renamed_vi(vi: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
 def _append_renamed(nodes: list, initializers: list, g: onnx.GraphProto, tag: str, rename: dict[str, str]) -> list[str]:
     """Copy ``g``'s nodes (and constants) into ``nodes``, every value renamed to
     ``tag/name`` unless ``rename`` maps it (the part's inputs)."""
+
     def name_of(v: str) -> str:
         if not v:
             return v
@@ -297,7 +339,9 @@ def _graph_signature(gm: fx.GraphModule) -> list[tuple]:
             return tuple(sorted((k, norm(v)) for k, v in a.items()))
         return repr(a)
 
-    return [(n.op, str(n.target) if n.op != "placeholder" else "", norm(n.args), norm(n.kwargs)) for n in gm.graph.nodes]
+    return [
+        (n.op, str(n.target) if n.op != "placeholder" else "", norm(n.args), norm(n.kwargs)) for n in gm.graph.nodes
+    ]
 
 
 def _num_outputs(gm: fx.GraphModule) -> int:

@@ -31,12 +31,17 @@ class ExportOptions:
     ctx_len: int = field(default=128, metadata=_doc("KV-cache capacity per sequence (retained layout dim 2)."))
     kv_cache_prefix: str | None = field(default=None, metadata=_doc("Alphanumeric infix for KV names; None: none."))
     layerwise: bool = field(default=True, metadata=_doc("Lower one decoder block and stitch it L times."))
-    kv_precision: str = field(default="float16", metadata=_doc("custom_io precision of the KV buffers: float16 or mxint8."))
+    kv_precision: str = field(
+        default="float16", metadata=_doc("custom_io precision of the KV buffers: float16 or mxint8.")
+    )
     num_cores: int = field(default=16, metadata=_doc("qaic-compile -aic-num-cores."))
     compiler_options: tuple[tuple[str, Any], ...] = field(
-        default=(), metadata=_doc("Extra qaic-compile options, key_name=v -> -key-name=v; True -> bare flag."))
+        default=(), metadata=_doc("Extra qaic-compile options, key_name=v -> -key-name=v; True -> bare flag.")
+    )
     retained_buffers: tuple[str, ...] = field(
-        default=(), metadata=_doc("Model buffers kept as retained state (input X, output X_RetainedState; never prefixed)."))
+        default=(),
+        metadata=_doc("Model buffers kept as retained state (input X, output X_RetainedState; never prefixed)."),
+    )
     opset: int = field(default=18, metadata=_doc("ONNX opset of the model."))
 
     def __post_init__(self) -> None:
@@ -64,8 +69,9 @@ class ExportOptions:
         if problem:
             raise ExportError(problem)
         if isinstance(self.opset, bool) or type(self.opset) is not int or self.opset not in OPSETS:
-            raise ExportError(f"opset must be one of {list(OPSETS)} (the opset onnxscript's torch library emits), "
-                              f"got {self.opset!r}")
+            raise ExportError(
+                f"opset must be one of {list(OPSETS)} (the opset onnxscript's torch library emits), got {self.opset!r}"
+            )
 
     @classmethod
     def from_options(cls, **options: Any) -> ExportOptions:

@@ -33,7 +33,9 @@ class RetainedStateKV(TorchFunctionMode):
     (or the one it names). ``updated`` and ``stems`` are filled in per layer.
     """
 
-    def __init__(self, layer_names: Sequence[str], past: Sequence[Sequence[torch.Tensor]], position_ids: torch.Tensor) -> None:
+    def __init__(
+        self, layer_names: Sequence[str], past: Sequence[Sequence[torch.Tensor]], position_ids: torch.Tensor
+    ) -> None:
         super().__init__()
         self.layer_names = list(layer_names)
         self.past = [list(p) for p in past]
@@ -62,7 +64,9 @@ class RetainedStateKV(TorchFunctionMode):
             if what == "update":
                 i, self._next = self._next, self._next + 1
             elif self._last is None:
-                raise ExportError("attention ran before any KV-cache update: the export needs update-then-attend layers")
+                raise ExportError(
+                    "attention ran before any KV-cache update: the export needs update-then-attend layers"
+                )
             else:
                 i = self._last
         elif name in self.layer_names:
@@ -119,8 +123,14 @@ class RetainedStateKV(TorchFunctionMode):
             allowed = allowed & (self._key_pos > self._pos - sliding_window)
         return allowed.unsqueeze(1)
 
-    def _softmax_attend(self, scores: torch.Tensor, allowed: torch.Tensor, value: torch.Tensor,
-                        softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    def _softmax_attend(
+        self,
+        scores: torch.Tensor,
+        allowed: torch.Tensor,
+        value: torch.Tensor,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         scores = scores.float()
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
@@ -134,16 +144,30 @@ class RetainedStateKV(TorchFunctionMode):
             probs = torch.softmax(scores, dim=-1)
         return probs.to(value.dtype) @ value
 
-    def _attention(self, query, key, value, layer_name, scale=None, sliding_window=None, kv_cache_dependency=None,
-                   softcap=None, sinks=None):
+    def _attention(
+        self,
+        query,
+        key,
+        value,
+        layer_name,
+        scale=None,
+        sliding_window=None,
+        kv_cache_dependency=None,
+        softcap=None,
+        sinks=None,
+    ):
         i = self._layer(layer_name, "attention")
         k, v = self._read(i)
         q = self._to_bhsd(query)  # [B, Hq, S, D]
         group = q.shape[1] // k.shape[1]
         if group > 1:  # GQA: each kv head serves `group` query heads (expand, not repeat_interleave:
             # with symbolic batch and ctx_len its decomposition costs the trace ~0.2 s a layer)
-            k, v = (t.unsqueeze(2).expand(t.shape[0], t.shape[1], group, t.shape[2], t.shape[3])
-                    .reshape(t.shape[0], t.shape[1] * group, t.shape[2], t.shape[3]) for t in (k, v))
+            k, v = (
+                t.unsqueeze(2)
+                .expand(t.shape[0], t.shape[1], group, t.shape[2], t.shape[3])
+                .reshape(t.shape[0], t.shape[1] * group, t.shape[2], t.shape[3])
+                for t in (k, v)
+            )
         scale = scale if scale is not None else q.shape[-1] ** -0.5
         scores = (q @ k.transpose(-1, -2)) * scale
         return self._from_bhsd(self._softmax_attend(scores, self._mask(sliding_window), v, softcap, sinks))
@@ -177,7 +201,7 @@ class RetainedStateModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *flat_past: torch.Tensor) -> tuple:
         past, k = [], 0
         for n in self.caches_per_layer:
-            past.append(list(flat_past[k: k + n]))
+            past.append(list(flat_past[k : k + n]))
             k += n
         b, s = input_ids.shape
         # The logits row of each sequence: its last real token (the highest position).

@@ -22,7 +22,15 @@ from qaic_dynamo.errors import ExportError
 from qaic_dynamo.lowering import aten_graph
 from qaic_dynamo.models import load_model, model_config
 
-__all__ = ["INDEX_ATTRS", "Trace", "block_signature", "engine_model_of", "model_identity", "model_weights", "trace_model"]
+__all__ = [
+    "INDEX_ATTRS",
+    "Trace",
+    "block_signature",
+    "engine_model_of",
+    "model_identity",
+    "model_weights",
+    "trace_model",
+]
 
 #: Attributes that hold a block's own index or name (normalised before comparing blocks).
 INDEX_ATTRS = ("layer_idx", "layer_id", "layer_index", "layer_number", "idx")
@@ -45,7 +53,11 @@ def model_identity(engine_model: nn.Module) -> dict[str, Any]:
     that hashed alike would overwrite each other's artifact (measured: sha256 hashes
     ~1.7 GB/s here, less than writing the weights takes)."""
     cfg = model_config(engine_model, text=False)  # all of it: a multimodal model's top-level settings too
-    cfg_dict = cfg.to_dict() if hasattr(cfg, "to_dict") else (dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else repr(cfg))
+    cfg_dict = (
+        cfg.to_dict()
+        if hasattr(cfg, "to_dict")
+        else (dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else repr(cfg))
+    )
     h = hashlib.sha256(repr(block_signature(engine_model, None)).encode())
     for name, t in model_weights(engine_model).items():  # non-persistent buffers too (rotary inv_freq)
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
@@ -73,8 +85,14 @@ class Trace:
     retained: list[str] = field(default_factory=list)
 
 
-def trace_model(model: nn.Module, layer_names: list[str], past_shapes: list[tuple[tuple[int, ...], ...]],
-           dtype: torch.dtype, opset: int, retained: Sequence[str] = ()) -> Trace:
+def trace_model(
+    model: nn.Module,
+    layer_names: list[str],
+    past_shapes: list[tuple[tuple[int, ...], ...]],
+    dtype: torch.dtype,
+    opset: int,
+    retained: Sequence[str] = (),
+) -> Trace:
     """Trace ``model`` (the engine form) as input_ids, position_ids, past..., retained
     buffers..., weights -> logits [B, 1, V], updated past..., retained buffers... through
     the lowering's direct path."""
@@ -86,7 +104,7 @@ def trace_model(model: nn.Module, layer_names: list[str], past_shapes: list[tupl
 
     def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, *rest: torch.Tensor):
         n_past = len(past_spec)
-        flat_past, kept, params = rest[:n_past], rest[n_past: n_past + len(retained)], rest[n_past + len(retained):]
+        flat_past, kept, params = rest[:n_past], rest[n_past : n_past + len(retained)], rest[n_past + len(retained) :]
         tensors = {f"model.{k}": v for k, v in zip(weight_names, params)}
         tensors.update((f"model.{k}", v) for k, v in zip(retained, kept))
         out = torch.func.functional_call(wrapper, tensors, (input_ids, position_ids, *flat_past))
@@ -97,10 +115,15 @@ def trace_model(model: nn.Module, layer_names: list[str], past_shapes: list[tupl
     batch, seq, ctx = 3, 5, 17  # distinct, not 0/1: every one stays a symbol
     ex_ids = torch.zeros(batch, seq, dtype=torch.long)
     ex_pos = torch.arange(seq).repeat(batch, 1)
-    ex_past = [torch.zeros((batch, *shape[1:2], ctx, *shape[3:]), dtype=dtype) for shapes in past_shapes for shape in shapes]
+    ex_past = [
+        torch.zeros((batch, *shape[1:2], ctx, *shape[3:]), dtype=dtype) for shapes in past_shapes for shape in shapes
+    ]
     example = [ex_ids, ex_pos, *ex_past, *[buffers[n].detach() for n in retained], *weights.values()]
-    dynamic = [{0: "batch_size", 1: "seq_len"}] * 2 + [{0: "batch_size", 2: "ctx_len"}] * len(ex_past) + \
-        [None] * (len(retained) + len(weights))
+    dynamic = (
+        [{0: "batch_size", 1: "seq_len"}] * 2
+        + [{0: "batch_size", 2: "ctx_len"}] * len(ex_past)
+        + [None] * (len(retained) + len(weights))
+    )
     try:
         with torch.no_grad(), torch.fx.traceback.preserve_node_meta():
             gm = aten_graph(forward, example, dynamic, opset)
@@ -109,8 +132,12 @@ def trace_model(model: nn.Module, layer_names: list[str], past_shapes: list[tupl
     except Exception as e:  # torch's own trace errors name its internals, not the model's problem
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ExportError(f"the model could not be traced for export: {type(e).__name__}: {first}") from e
-    inputs = [("input", "input_ids"), ("input", "position_ids")] + [("past", i, j) for i, j in past_spec] + \
-        [("retained", n) for n in retained] + [("weight", n) for n in weight_names]
+    inputs = (
+        [("input", "input_ids"), ("input", "position_ids")]
+        + [("past", i, j) for i, j in past_spec]
+        + [("retained", n) for n in retained]
+        + [("weight", n) for n in weight_names]
+    )
     return Trace(gm, inputs, dict(wrapper.stems), len(past_shapes), list(retained))
 
 
@@ -118,6 +145,7 @@ def block_signature(block: nn.Module, index: int | None) -> list[tuple]:
     """What makes a block's graph: its module tree, its parameter and buffer shapes, and
     the plain settings of each module (window sizes, flags, types), with the block's own
     index and name taken out (``index`` None: nothing taken out)."""
+
     def setting(key: str, v: Any) -> Any:
         if index is None:
             return v
@@ -130,9 +158,17 @@ def block_signature(block: nn.Module, index: int | None) -> list[tuple]:
     plain = (bool, int, float, str, type(None))
     sig = []
     for name, mod in block.named_modules():
-        settings = tuple(sorted((k, setting(k, v)) for k, v in vars(mod).items() if not k.startswith("_") and (
-            isinstance(v, plain) or (isinstance(v, tuple) and all(isinstance(x, plain) for x in v)))))
-        tensors = tuple((k, tuple(t.shape), t.dtype) for k, t in [*mod.named_parameters(recurse=False),
-                                                                   *mod.named_buffers(recurse=False)])
+        settings = tuple(
+            sorted(
+                (k, setting(k, v))
+                for k, v in vars(mod).items()
+                if not k.startswith("_")
+                and (isinstance(v, plain) or (isinstance(v, tuple) and all(isinstance(x, plain) for x in v)))
+            )
+        )
+        tensors = tuple(
+            (k, tuple(t.shape), t.dtype)
+            for k, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]
+        )
         sig.append((name, type(mod).__qualname__, settings, tensors))
     return sig

@@ -22,8 +22,13 @@ def has_bfloat16_inputs(onnx_path: str | os.PathLike) -> bool:
     return any(i.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16 for i in graph.input)
 
 
-def ort_generate(onnx_path: str | os.PathLike, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 prefill_seq_len: int, num_threads: int | None = None) -> tuple[list[list[int]], list[Any]]:
+def ort_generate(
+    onnx_path: str | os.PathLike,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    prefill_seq_len: int,
+    num_threads: int | None = None,
+) -> tuple[list[list[int]], list[Any]]:
     """Greedy generation with an exported model on ONNX Runtime, the retained-state way:
     each prompt is prefilled alone in chunks of ``prefill_seq_len`` (padding has
     position -1), then all prompts decode together as one batch; every call's
@@ -40,8 +45,9 @@ def ort_generate(onnx_path: str | os.PathLike, prompts: Sequence[Sequence[int]],
             raise TypeError
         prompts = [list(p) for p in prompts]
     except TypeError:
-        raise ExportError("ort_generate: prompts must be a list of token-id lists, e.g. [[1, 2, 3]] for one "
-                          "prompt") from None
+        raise ExportError(
+            "ort_generate: prompts must be a list of token-id lists, e.g. [[1, 2, 3]] for one prompt"
+        ) from None
     if not prompts or any(not p for p in prompts):
         raise ExportError("ort_generate: pass at least one prompt, each with at least one token id")
     opts = ort.SessionOptions()
@@ -54,24 +60,34 @@ def ort_generate(onnx_path: str | os.PathLike, prompts: Sequence[Sequence[int]],
         hint = ""
         if Path(onnx_path).is_file() and has_bfloat16_inputs(onnx_path):
             hint = " (its CPU kernels lack bfloat16: export a bfloat16 model in float16 to run it here)"
-        raise ExportError(f"ONNX Runtime cannot load {onnx_path} on the CPU: "
-                          f"{str(e).splitlines()[0] if str(e) else e!r}{hint}") from e
+        raise ExportError(
+            f"ONNX Runtime cannot load {onnx_path} on the CPU: {str(e).splitlines()[0] if str(e) else e!r}{hint}"
+        ) from e
     past_inputs = [i for i in sess.get_inputs() if i.name not in ("input_ids", "position_ids")]
     others = [i.name for i in past_inputs if not is_kv_retained_state(i.name + RETAINED_STATE_SUFFIX)]
     if others:
-        raise ExportError(f"ort_generate feeds KV caches only; {onnx_path} also takes {others} (retained buffers): "
-                          "run it with onnxruntime directly, feeding their initial values")
+        raise ExportError(
+            f"ort_generate feeds KV caches only; {onnx_path} also takes {others} (retained buffers): "
+            "run it with onnxruntime directly, feeding their initial values"
+        )
     dtypes = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
     unknown = {i.name: i.type for i in past_inputs if i.type not in dtypes}
     if unknown:
-        raise ExportError(f"ort_generate cannot make KV caches of {unknown}; ONNX Runtime's CPU kernels take "
-                          "float32 or float16 models (export a bfloat16 model in float16 to run it here)")
+        raise ExportError(
+            f"ort_generate cannot make KV caches of {unknown}; ONNX Runtime's CPU kernels take "
+            "float32 or float16 models (export a bfloat16 model in float16 to run it here)"
+        )
     outputs = [o.name for o in sess.get_outputs()]
     vocab = sess.get_outputs()[0].shape[-1]
     for i, prompt in enumerate(prompts):
         # ONNX Gather reads a negative id from the end of the table: refuse it, as LLM does.
-        bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or isinstance(t, bool)
-               or not 0 <= t < (vocab if isinstance(vocab, int) else t + 1)]
+        bad = [
+            t
+            for t in prompt
+            if not isinstance(t, (int, np.integer))
+            or isinstance(t, bool)
+            or not 0 <= t < (vocab if isinstance(vocab, int) else t + 1)
+        ]
         if bad:
             raise ExportError(f"ort_generate: prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:8]}")
 
@@ -90,7 +106,7 @@ def ort_generate(onnx_path: str | os.PathLike, prompts: Sequence[Sequence[int]],
     for prompt in prompts:
         past = empty(1, ctx)
         for start in range(0, len(prompt), prefill_seq_len):
-            chunk = list(prompt[start: start + prefill_seq_len])
+            chunk = list(prompt[start : start + prefill_seq_len])
             pad = prefill_seq_len - len(chunk)
             ids = np.array([chunk + [0] * pad], dtype=np.int64)
             pos = np.array([list(range(start, start + len(chunk))) + [-1] * pad], dtype=np.int64)

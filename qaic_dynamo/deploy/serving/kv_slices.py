@@ -64,8 +64,10 @@ class KVSliceSpec:
         for pattern in self.patterns:
             hits = [n for n in buffers if fnmatch.fnmatchcase(n, pattern)]
             if not hits:
-                raise KVSliceError(f"slicing pattern {pattern!r} matches no buffer; buffers: {sorted(buffers)[:8]}"
-                                   f"{' ...' if len(buffers) > 8 else ''}")
+                raise KVSliceError(
+                    f"slicing pattern {pattern!r} matches no buffer; buffers: {sorted(buffers)[:8]}"
+                    f"{' ...' if len(buffers) > 8 else ''}"
+                )
             names += [n for n in hits if n not in names]
         for name in names:
             rank = buffers[name].dim()

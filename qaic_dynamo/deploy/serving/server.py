@@ -70,39 +70,73 @@ class DisaggregatedServer:
     server is restarted.
     """
 
-    def __init__(self, model: Any, *, decode_slots: int = 4, ctx_len: int = 256, prefill_stages: int = 1,
-                 chunk_size: int = 64, transport: str = "shm", backend: str = "qaic",
-                 kv_cache_prefix: str | None = None, threads_per_worker: int = 1,
-                 gloo_init_method: str | None = None, startup_timeout: float = 600,
-                 chunk_delay: float = 0.0, max_prefill_restarts: int = 3) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        decode_slots: int = 4,
+        ctx_len: int = 256,
+        prefill_stages: int = 1,
+        chunk_size: int = 64,
+        transport: str = "shm",
+        backend: str = "qaic",
+        kv_cache_prefix: str | None = None,
+        threads_per_worker: int = 1,
+        gloo_init_method: str | None = None,
+        startup_timeout: float = 600,
+        chunk_delay: float = 0.0,
+        max_prefill_restarts: int = 3,
+    ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"DisaggregatedServer: transport must be one of {list(TRANSPORTS)}, got {transport!r}")
-        for name, v in (("decode_slots", decode_slots), ("ctx_len", ctx_len), ("chunk_size", chunk_size),
-                        ("prefill_stages", prefill_stages)):
+        for name, v in (
+            ("decode_slots", decode_slots),
+            ("ctx_len", ctx_len),
+            ("chunk_size", chunk_size),
+            ("prefill_stages", prefill_stages),
+        ):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"DisaggregatedServer: {name} must be a positive int, got {v!r}")
         # Each restart's hand-off queue is made at start() and held open by the server and
         # decode (two file descriptors each), so the count is bounded.
-        if (not isinstance(max_prefill_restarts, int) or isinstance(max_prefill_restarts, bool)
-                or not 0 <= max_prefill_restarts <= MAX_PREFILL_RESTARTS):
-            raise ValueError(f"DisaggregatedServer: max_prefill_restarts must be an int in [0, {MAX_PREFILL_RESTARTS}], "
-                             f"got {max_prefill_restarts!r}")
+        if (
+            not isinstance(max_prefill_restarts, int)
+            or isinstance(max_prefill_restarts, bool)
+            or not 0 <= max_prefill_restarts <= MAX_PREFILL_RESTARTS
+        ):
+            raise ValueError(
+                f"DisaggregatedServer: max_prefill_restarts must be an int in [0, {MAX_PREFILL_RESTARTS}], "
+                f"got {max_prefill_restarts!r}"
+            )
 
         if not isinstance(threads_per_worker, int) or isinstance(threads_per_worker, bool) or threads_per_worker < 1:
-            raise ValueError(f"DisaggregatedServer: threads_per_worker must be a positive int, got {threads_per_worker!r}")
+            raise ValueError(
+                f"DisaggregatedServer: threads_per_worker must be a positive int, got {threads_per_worker!r}"
+            )
         if backend not in BACKENDS:
             raise ValueError(f"DisaggregatedServer: backend must be one of {list(BACKENDS)}, got {backend!r}")
         if gloo_init_method is not None and transport != "gloo":
-            raise ValueError(f"DisaggregatedServer: gloo_init_method is the gloo transport's rendezvous, but the "
-                             f"transport is {transport!r}; pass transport='gloo' or drop gloo_init_method")
+            raise ValueError(
+                f"DisaggregatedServer: gloo_init_method is the gloo transport's rendezvous, but the "
+                f"transport is {transport!r}; pass transport='gloo' or drop gloo_init_method"
+            )
         self.model = model
         self.transport = transport
         self.ctx_len = ctx_len
         if transport == "gloo" and gloo_init_method is None:
             gloo_init_method = f"tcp://127.0.0.1:{_free_local_port()}"
-        self.cfg = dict(slots=decode_slots, ctx_len=ctx_len, stages=prefill_stages, chunk_size=chunk_size,
-                        transport=transport, backend=backend, kv_cache_prefix=kv_cache_prefix,
-                        threads=threads_per_worker, init_method=gloo_init_method, chunk_delay=chunk_delay)
+        self.cfg = dict(
+            slots=decode_slots,
+            ctx_len=ctx_len,
+            stages=prefill_stages,
+            chunk_size=chunk_size,
+            transport=transport,
+            backend=backend,
+            kv_cache_prefix=kv_cache_prefix,
+            threads=threads_per_worker,
+            init_method=gloo_init_method,
+            chunk_delay=chunk_delay,
+        )
         self.startup_timeout = startup_timeout
         self.max_prefill_restarts = max_prefill_restarts
         self._no_prefill: str | None = None
@@ -143,13 +177,19 @@ class DisaggregatedServer:
             # and its replacement writes the next of the hand-off queues. Those must exist
             # before decode starts (a queue reaches a process only when it is created).
             self._jobs = self._ctx.Queue()  # server -> prefill
-            self._handoff_queues = [self._ctx.Queue() for _ in range(self.max_prefill_restarts + 1)]  # prefill -> decode
+            self._handoff_queues = [
+                self._ctx.Queue() for _ in range(self.max_prefill_restarts + 1)
+            ]  # prefill -> decode
             self._generation = 0  # which prefill worker, and which hand-off queue, is running
             self._no_prefill = None  # why the prefill worker could not be replaced
             self._control, self._events = self._ctx.Queue(), self._ctx.Queue()  # server -> decode -> server
             self._prefill_events = self._ctx.Queue()  # prefill -> server
-            self._decode = self._ctx.Process(target=decode_worker, daemon=True, name="qaic-decode", args=(
-                self.model, self.cfg, self.buffers.descriptor, self._handoff_queues, self._control, self._events))
+            self._decode = self._ctx.Process(
+                target=decode_worker,
+                daemon=True,
+                name="qaic-decode",
+                args=(self.model, self.cfg, self.buffers.descriptor, self._handoff_queues, self._control, self._events),
+            )
             self._decode.start()
             self._start_prefill()
             self._wait_for(lambda kind, who, payload: kind == "ready", {"prefill", "decode"}, "start")
@@ -158,9 +198,19 @@ class DisaggregatedServer:
             raise
 
     def _start_prefill(self) -> None:
-        self._prefill = self._ctx.Process(target=prefill_worker, daemon=True, name="qaic-prefill", args=(
-            self.model, self.cfg, self.buffers.descriptor, self._jobs, self._handoff_queues[self._generation],
-            self._prefill_events))
+        self._prefill = self._ctx.Process(
+            target=prefill_worker,
+            daemon=True,
+            name="qaic-prefill",
+            args=(
+                self.model,
+                self.cfg,
+                self.buffers.descriptor,
+                self._jobs,
+                self._handoff_queues[self._generation],
+                self._prefill_events,
+            ),
+        )
         self._prefill.start()
 
     def _wait_for(self, match: Any, keys: set, what: str, on_other: Any = None) -> None:
@@ -175,11 +225,14 @@ class DisaggregatedServer:
                 # an event says nothing: look, rather than wait out the timeout.
                 for name, proc in (("prefill", self._prefill), ("decode", self._decode)):
                     if proc is not None and proc.exitcode is not None:
-                        raise RuntimeError(f"DisaggregatedServer: the {name} worker exited (exit code {proc.exitcode}) "
-                                           f"while waiting for its {what}") from None
+                        raise RuntimeError(
+                            f"DisaggregatedServer: the {name} worker exited (exit code {proc.exitcode}) "
+                            f"while waiting for its {what}"
+                        ) from None
                 if time.monotonic() >= deadline:
-                    raise RuntimeError(f"DisaggregatedServer: no {what} from {sorted(keys)} in "
-                                       f"{self.startup_timeout:.0f} s") from None
+                    raise RuntimeError(
+                        f"DisaggregatedServer: no {what} from {sorted(keys)} in {self.startup_timeout:.0f} s"
+                    ) from None
                 continue
             if kind == "worker_error":
                 raise RuntimeError(f"DisaggregatedServer: the {who} worker failed:\n{payload}")
@@ -225,14 +278,18 @@ class DisaggregatedServer:
         """Reject, before anything is written, a request that cannot be served. A prompt
         is a sequence of token ids (a list, a 1-d tensor or array)."""
         if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
-            raise TypeError(f"DisaggregatedServer: a prompt must be a sequence of token ids, got {type(prompt).__name__}")
+            raise TypeError(
+                f"DisaggregatedServer: a prompt must be a sequence of token ids, got {type(prompt).__name__}"
+            )
         if len(prompt) == 0:
             raise ValueError("DisaggregatedServer: empty prompt")
         if not is_token_id(max_tokens) or max_tokens < 1:
             raise ValueError(f"DisaggregatedServer: max_tokens must be a positive int, got {max_tokens!r}")
         if len(prompt) + max_tokens > self.ctx_len:
-            raise ValueError(f"DisaggregatedServer: prompt ({len(prompt)} tokens) + max_tokens={max_tokens} would not fit "
-                             f"in a slot's ctx_len={self.ctx_len}; shorten it or start the server with a larger ctx_len")
+            raise ValueError(
+                f"DisaggregatedServer: prompt ({len(prompt)} tokens) + max_tokens={max_tokens} would not fit "
+                f"in a slot's ctx_len={self.ctx_len}; shorten it or start the server with a larger ctx_len"
+            )
         not_ids = [t for t in prompt if not is_token_id(t)]
         if not_ids:
             raise TypeError(f"DisaggregatedServer: token ids that are not integers: {not_ids[:5]}")
@@ -240,8 +297,14 @@ class DisaggregatedServer:
         if bad:
             raise ValueError(f"DisaggregatedServer: token ids outside the vocabulary [0, {self.vocab}): {bad[:5]}")
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int | Sequence[int] = 16,
-                 stop_token_ids: Sequence[int] = (), progress: Any = None, timeout: float = 600) -> list[RequestResult]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: int | Sequence[int] = 16,
+        stop_token_ids: Sequence[int] = (),
+        progress: Any = None,
+        timeout: float = 600,
+    ) -> list[RequestResult]:
         """Serve ``prompts`` (greedy) and return one result per prompt, in order. Every
         request is validated before any is started. A request held by a prefill worker
         that died comes back with ``error`` set; the others are served."""
@@ -282,8 +345,10 @@ class DisaggregatedServer:
                 active[rid] = at_prefill.pop(rid)
             elif kind == "lost":  # its KV never arrived (see decode_worker's admit)
                 slot, reason = payload
-                self.results[rid].error = (f"the KV hand-off of request {rid} failed ({reason}); it was not served "
-                                           "(decode kept serving the running requests)")
+                self.results[rid].error = (
+                    f"the KV hand-off of request {rid} failed ({reason}); it was not served "
+                    "(decode kept serving the running requests)"
+                )
                 at_prefill.pop(rid)
                 free.append(slot)
             elif kind == "finished":
@@ -301,13 +366,24 @@ class DisaggregatedServer:
             if at_prefill or active:
                 # The workers still hold these requests and their slots; a later call
                 # must not hand the slots out again.
-                self._unusable = (f"an earlier generate() ended ({type(e).__name__}) with {len(at_prefill) + len(active)}"
-                                  " request(s) still in the workers")
+                self._unusable = (
+                    f"an earlier generate() ended ({type(e).__name__}) with {len(at_prefill) + len(active)}"
+                    " request(s) still in the workers"
+                )
             raise
         return [self.results[rid] for rid in order]
 
-    def _serve(self, waiting: list[Job], at_prefill: dict[int, Job], active: dict[int, Job], free: list[int],
-               capacity: int, on_event: Any, deadline: float, timeout: float) -> None:
+    def _serve(
+        self,
+        waiting: list[Job],
+        at_prefill: dict[int, Job],
+        active: dict[int, Job],
+        free: list[int],
+        capacity: int,
+        on_event: Any,
+        deadline: float,
+        timeout: float,
+    ) -> None:
         while waiting or at_prefill or active:
             while waiting and free and len(at_prefill) < capacity:
                 job = waiting.pop(0)
@@ -337,16 +413,21 @@ class DisaggregatedServer:
         if self.transport == "gloo":  # its process group died with it: nothing can prefill
             self._no_prefill = f"the prefill worker died (exit code {code}) and the gloo transport cannot replace it"
         elif self._generation == self.max_prefill_restarts:
-            self._no_prefill = (f"the prefill worker died (exit code {code}) after {self._generation} restart(s), the "
-                                f"most this server makes (max_prefill_restarts={self.max_prefill_restarts})")
+            self._no_prefill = (
+                f"the prefill worker died (exit code {code}) after {self._generation} restart(s), the "
+                f"most this server makes (max_prefill_restarts={self.max_prefill_restarts})"
+            )
         else:
             self._generation += 1
         self._control.put(("sync", marker, self._generation))
-        self._wait_for(lambda kind, who, payload: kind == "synced" and who == marker, {marker}, "sync",
-                       on_other=on_event)
+        self._wait_for(
+            lambda kind, who, payload: kind == "synced" and who == marker, {marker}, "sync", on_other=on_event
+        )
         for rid, job in list(at_prefill.items()):
-            self.results[rid].error = (f"the prefill worker died (exit code {code}) while prefilling request {rid}; "
-                                       "it was not served (decode kept serving the running requests)")
+            self.results[rid].error = (
+                f"the prefill worker died (exit code {code}) while prefilling request {rid}; "
+                "it was not served (decode kept serving the running requests)"
+            )
             free.append(job.decode_slot)
             del at_prefill[rid]
         if self._no_prefill is not None:
@@ -368,13 +449,21 @@ def summarize(results: Sequence[RequestResult]) -> dict[str, float | None]:
     ok = [r for r in results if r.error is None and r.ttft is not None]
     ttfts = sorted(r.ttft for r in ok)
     if not ok:  # nothing was served: counts only, every figure None
-        return {"requests": len(results), "failed": len(results), "ttft_median_s": None, "ttft_p90_s": None,
-                "decode_tokens_per_s": None, "kv_bytes_per_handoff": None, "wall_s": None}
+        return {
+            "requests": len(results),
+            "failed": len(results),
+            "ttft_median_s": None,
+            "ttft_p90_s": None,
+            "decode_tokens_per_s": None,
+            "kv_bytes_per_handoff": None,
+            "wall_s": None,
+        }
     start = min(r.submitted for r in ok)
     end = max(r.finished or 0 for r in ok)
     decode_tokens = sum(max(0, len(r.token_ids) - 1) for r in ok)
     return {
-        "requests": len(results), "failed": len(results) - len(ok),
+        "requests": len(results),
+        "failed": len(results) - len(ok),
         "ttft_median_s": statistics.median(ttfts),
         "ttft_p90_s": ttfts[min(len(ttfts) - 1, math.ceil(0.9 * len(ttfts)) - 1)],
         "decode_tokens_per_s": decode_tokens / max(1e-9, end - start),

@@ -32,16 +32,33 @@ class Session:
     has ``stages + 1`` execution slots, ``role="decode"`` one.
     """
 
-    def __init__(self, model: Any, role: str, *, num_slots: int, ctx_len: int, stages: int = 1,
-                 backend: str = "qaic", kv_cache_prefix: str | None = None, **llm_options: Any) -> None:
+    def __init__(
+        self,
+        model: Any,
+        role: str,
+        *,
+        num_slots: int,
+        ctx_len: int,
+        stages: int = 1,
+        backend: str = "qaic",
+        kv_cache_prefix: str | None = None,
+        **llm_options: Any,
+    ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"Session: role must be 'prefill' or 'decode', got {role!r}")
         if not isinstance(stages, int) or stages < 1:
             raise ValueError(f"Session: stages must be a positive int, got {stages!r}")
         self.role = role
         self.ctx_len = ctx_len
-        self.llm = LLM(model, backend, max_num_seqs=max(num_slots, 2), max_model_len=ctx_len, block_size=ctx_len,
-                       num_blocks=num_slots, **llm_options)
+        self.llm = LLM(
+            model,
+            backend,
+            max_num_seqs=max(num_slots, 2),
+            max_model_len=ctx_len,
+            block_size=ctx_len,
+            num_blocks=num_slots,
+            **llm_options,
+        )
         self.execution_slots = [ExecutionSlot(i) for i in range(stages + 1 if role == "prefill" else 1)]
         self.layer_buffers = kv_buffer_names(self.llm.model, kv_cache_prefix)
         self.spec = KVSliceSpec.for_model(self.llm.model, kv_cache_prefix)
@@ -58,11 +75,15 @@ class Session:
     @property
     def buffers(self) -> dict[str, torch.Tensor]:
         """The KV tensors the session runs on, by buffer name."""
-        return {name: t for layer, names in zip(self.llm.kv_cache_layers, self.layer_buffers)
-                for name, t in zip(names, self.llm.kv_caches[layer])}
+        return {
+            name: t
+            for layer, names in zip(self.llm.kv_cache_layers, self.layer_buffers)
+            for name, t in zip(names, self.llm.kv_caches[layer])
+        }
 
-    def set_data_with_slices(self, buffers: dict[str, torch.Tensor], slices: dict[str, int],
-                             execution_slot: int = 0) -> dict[str, torch.Tensor]:
+    def set_data_with_slices(
+        self, buffers: dict[str, torch.Tensor], slices: dict[str, int], execution_slot: int = 0
+    ) -> dict[str, torch.Tensor]:
         """Bind ``buffers`` (e.g. shared memory) as this session's KV and ``slices`` for the
         next run of ``execution_slot``: it writes at slot ``batch_index`` from position
         ``ctx_start`` in those very buffers (no copy). Returns the bound views. A prefill
@@ -70,11 +91,14 @@ class Session:
         request decoding there."""
         n = len(self.execution_slots)
         if not isinstance(execution_slot, int) or isinstance(execution_slot, bool) or not 0 <= execution_slot < n:
-            raise KVSliceError(f"execution_slot must be an int in [0, {n}) for this {self.role} session, "
-                               f"got {execution_slot!r}")
+            raise KVSliceError(
+                f"execution_slot must be an int in [0, {n}) for this {self.role} session, got {execution_slot!r}"
+            )
         if self.role == "prefill" and "batch_index" not in slices:
-            raise KVSliceError("a prefill session writes the slot slices['batch_index']; pass it (the decode slot "
-                               "the request's KV goes to)")
+            raise KVSliceError(
+                "a prefill session writes the slot slices['batch_index']; pass it (the decode slot "
+                "the request's KV goes to)"
+            )
         names = self.spec.select(buffers)
         missing = [n for layer in self.layer_buffers for n in layer if n not in names]
         if missing:
@@ -83,12 +107,16 @@ class Session:
         for name, shape in self.buffer_shapes.items():  # any number of slots, one per dim 0 row
             t = buffers[name]
             if tuple(t.shape[1:]) != shape[1:] or t.dtype != self.llm.dtype or not t.is_contiguous() or len(slots) != 1:
-                raise KVSliceError(f"buffer {name} is {tuple(t.shape)} {t.dtype}; this session needs contiguous "
-                                   f"[slots, {', '.join(map(str, shape[1:]))}] {self.llm.dtype} buffers, all with the "
-                                   "same number of slots")
+                raise KVSliceError(
+                    f"buffer {name} is {tuple(t.shape)} {t.dtype}; this session needs contiguous "
+                    f"[slots, {', '.join(map(str, shape[1:]))}] {self.llm.dtype} buffers, all with the "
+                    "same number of slots"
+                )
         views = self.spec.views(buffers, slices)
-        self.llm.kv_caches = {layer: tuple(buffers[n] for n in names)
-                              for layer, names in zip(self.llm.kv_cache_layers, self.layer_buffers)}
+        self.llm.kv_caches = {
+            layer: tuple(buffers[n] for n in names)
+            for layer, names in zip(self.llm.kv_cache_layers, self.layer_buffers)
+        }
         self.llm.num_blocks = slots.pop()
         self.execution_slots[execution_slot].binding = (slices.get("batch_index", 0), slices.get("ctx_start", 0))
         return views

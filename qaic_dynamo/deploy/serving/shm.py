@@ -29,7 +29,9 @@ class SharedKVBuffers:
             for k, (name, shape) in enumerate(shapes.items()):
                 nbytes = max(1, math.prod(shape) * torch.empty((), dtype=dtype).element_size())
                 if _attach is None:
-                    seg = shared_memory.SharedMemory(create=True, size=nbytes, name=f"{SHM_PREFIX}{os.getpid()}_{tag}_{k}")
+                    seg = shared_memory.SharedMemory(
+                        create=True, size=nbytes, name=f"{SHM_PREFIX}{os.getpid()}_{tag}_{k}"
+                    )
                 else:
                     # Workers are spawned by the server and share its resource tracker,
                     # so attaching adds nothing the server's unlink does not remove.
@@ -48,8 +50,11 @@ class SharedKVBuffers:
     @property
     def descriptor(self) -> dict[str, Any]:
         """What another process needs to attach (picklable)."""
-        return {"shapes": {n: tuple(t.shape) for n, t in self.tensors.items()}, "dtype": str(self.dtype).split(".")[-1],
-                "segments": {n: s.name for n, s in self._segments.items()}}
+        return {
+            "shapes": {n: tuple(t.shape) for n, t in self.tensors.items()},
+            "dtype": str(self.dtype).split(".")[-1],
+            "segments": {n: s.name for n, s in self._segments.items()},
+        }
 
     @classmethod
     def attach(cls, descriptor: dict[str, Any]) -> SharedKVBuffers:

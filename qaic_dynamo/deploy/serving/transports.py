@@ -55,8 +55,9 @@ class _StagingTransport(KVTransport):
     """Prefill writes buffers of its own (one slot per execution slot); ``send`` moves a
     prefilled slot of each of them with :meth:`move`."""
 
-    def __init__(self, decode: SharedKVBuffers | None, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
-                 staging_slots: int) -> None:
+    def __init__(
+        self, decode: SharedKVBuffers | None, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, staging_slots: int
+    ) -> None:
         super().__init__(decode)
         self.staging = {n: torch.zeros((staging_slots, *s[1:]), dtype=dtype) for n, s in shapes.items()}
 
@@ -96,8 +97,15 @@ class GlooTransport(_StagingTransport):
     name = "gloo"
     receiver_waits = True
 
-    def __init__(self, decode: SharedKVBuffers | None, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
-                 rank: int, init_method: str, staging_slots: int) -> None:
+    def __init__(
+        self,
+        decode: SharedKVBuffers | None,
+        shapes: dict[str, tuple[int, ...]],
+        dtype: torch.dtype,
+        rank: int,
+        init_method: str,
+        staging_slots: int,
+    ) -> None:
         import torch.distributed as dist
 
         super().__init__(decode, shapes if rank == 0 else {}, dtype, staging_slots)
@@ -120,8 +128,15 @@ class GlooTransport(_StagingTransport):
             self.dist.destroy_process_group()
 
 
-def make_transport(kind: str, decode: SharedKVBuffers | None, shapes: dict, dtype: torch.dtype, rank: int,
-                    init_method: str | None, staging_slots: int) -> KVTransport:
+def make_transport(
+    kind: str,
+    decode: SharedKVBuffers | None,
+    shapes: dict,
+    dtype: torch.dtype,
+    rank: int,
+    init_method: str | None,
+    staging_slots: int,
+) -> KVTransport:
     if kind == "shm":
         return SlicingTransport(decode)
     if kind == "copy":

@@ -32,11 +32,19 @@ def prefill_worker(model: Any, cfg: dict, descriptor: dict, jobs: Any, handoffs:
     try:  # everything inside: an error anywhere is posted, not left for the server to time out on
         torch.set_num_threads(cfg["threads"])
         decode = SharedKVBuffers.attach(descriptor) if cfg["transport"] != "gloo" else None
-        session = Session(model, "prefill", num_slots=cfg["slots"], ctx_len=cfg["ctx_len"], stages=cfg["stages"],
-                          backend=cfg["backend"], kv_cache_prefix=cfg["kv_cache_prefix"])
+        session = Session(
+            model,
+            "prefill",
+            num_slots=cfg["slots"],
+            ctx_len=cfg["ctx_len"],
+            stages=cfg["stages"],
+            backend=cfg["backend"],
+            kv_cache_prefix=cfg["kv_cache_prefix"],
+        )
         staging_slots = len(session.execution_slots)
-        transport = make_transport(cfg["transport"], decode, session.buffer_shapes, session.llm.dtype, 0,
-                                    cfg.get("init_method"), staging_slots)
+        transport = make_transport(
+            cfg["transport"], decode, session.buffer_shapes, session.llm.dtype, 0, cfg.get("init_method"), staging_slots
+        )
         events.put(("ready", "prefill", None))
         while True:
             free = [s for s in session.execution_slots if s.request is None]
@@ -49,8 +57,11 @@ def prefill_worker(model: Any, cfg: dict, descriptor: dict, jobs: Any, handoffs:
                     return
                 s = free.pop(0)
                 s.request = job
-                session.set_data_with_slices(transport.prefill_buffers(), {
-                    "batch_index": transport.prefill_target(job.decode_slot, s.index), "ctx_start": 0}, s.index)
+                session.set_data_with_slices(
+                    transport.prefill_buffers(),
+                    {"batch_index": transport.prefill_target(job.decode_slot, s.index), "ctx_start": 0},
+                    s.index,
+                )
             for s, first in session.run_prefill_chunks(cfg["chunk_size"]):
                 job, t_first = s.request, time.perf_counter()
                 if transport.receiver_waits:  # gloo: decode must be told before it can receive
@@ -76,11 +87,18 @@ def decode_worker(model: Any, cfg: dict, descriptor: dict, handoff_queues: list,
     try:  # everything inside: an error anywhere is posted, not left for the server to time out on
         torch.set_num_threads(cfg["threads"])
         decode = SharedKVBuffers.attach(descriptor)
-        session = Session(model, "decode", num_slots=cfg["slots"], ctx_len=cfg["ctx_len"], backend=cfg["backend"],
-                          kv_cache_prefix=cfg["kv_cache_prefix"])
+        session = Session(
+            model,
+            "decode",
+            num_slots=cfg["slots"],
+            ctx_len=cfg["ctx_len"],
+            backend=cfg["backend"],
+            kv_cache_prefix=cfg["kv_cache_prefix"],
+        )
         session.set_data_with_slices(decode.tensors, {})  # decode runs every slot of the shared buffers
-        transport = make_transport(cfg["transport"], decode, session.buffer_shapes, session.llm.dtype, 1,
-                                    cfg.get("init_method"), 0)
+        transport = make_transport(
+            cfg["transport"], decode, session.buffer_shapes, session.llm.dtype, 1, cfg.get("init_method"), 0
+        )
         events.put(("ready", "decode", None))
         running: list[tuple[Request, Job]] = []
         handoffs = handoff_queues[0]  # the first prefill worker's; each replacement has its own
@@ -99,8 +117,14 @@ def decode_worker(model: Any, cfg: dict, descriptor: dict, handoff_queues: list,
                 events.put(("lost", job.request_id, (job.decode_slot, f"{type(e).__name__}: {e}".splitlines()[0])))
                 return
             events.put(("admitted", job.request_id, (first, t_first, moved)))
-            req = Request(job.request_id, job.prompt, job.max_tokens, output_token_ids=[first],
-                          block_ids=[job.decode_slot], num_computed_tokens=len(job.prompt))
+            req = Request(
+                job.request_id,
+                job.prompt,
+                job.max_tokens,
+                output_token_ids=[first],
+                block_ids=[job.decode_slot],
+                num_computed_tokens=len(job.prompt),
+            )
             if _finished(req, job):
                 finish(req, job)
             else:

@@ -79,18 +79,30 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
     _aten.prod.dim_int: refuse_integer_prod,
     # onnxscript's translation (a Loop over a sequence) crashes ONNX Runtime's session
     # creation (a segfault) - and the artifact was on disk by then, for every later process
-    **{op: refusal("embedding_bag", "ONNX Runtime crashes loading onnxscript's translation of it; such a piece runs "
-                   "eagerly") for op in (_aten._embedding_bag.default, _aten._embedding_bag_forward_only.default)},
+    **{
+        op: refusal(
+            "embedding_bag", "ONNX Runtime crashes loading onnxscript's translation of it; such a piece runs eagerly"
+        )
+        for op in (_aten._embedding_bag.default, _aten._embedding_bag_forward_only.default)
+    },
     _aten._native_batch_norm_legit_no_training.default: batch_norm_no_training,
     _aten.avg_pool2d.default: refuse_divisor_override,
     _aten.avg_pool3d.default: refuse_divisor_override,
     _aten._scaled_dot_product_flash_attention_for_cpu.default: masked_attention,
-    **{op: reduced_float_scaling(op) for op in (_aten.mul.Tensor, _aten.mul.Scalar, _aten.div.Tensor, _aten.div.Scalar)},
+    **{
+        op: reduced_float_scaling(op) for op in (_aten.mul.Tensor, _aten.mul.Scalar, _aten.div.Tensor, _aten.div.Scalar)
+    },
     **{op: reduced_float_scaled_sum(op) for op in (_aten.add.Tensor, _aten.sub.Tensor)},
-    **{inplace: in_place(reduced_float_scaled_sum(op))
-       for inplace, op in ((_aten.add_.Tensor, _aten.add.Tensor), (_aten.sub_.Tensor, _aten.sub.Tensor))},
-    **{getattr(_aten, name).Scalar: reduced_float_comparison(getattr(_aten, name).Scalar)
-       for name in ("eq", "ne", "lt", "le", "gt", "ge")},
-    **{getattr(_aten, name).Tensor: reduced_float_comparison(getattr(_aten, name).Tensor)
-       for name in ("eq", "ne", "lt", "le", "gt", "ge")},
+    **{
+        inplace: in_place(reduced_float_scaled_sum(op))
+        for inplace, op in ((_aten.add_.Tensor, _aten.add.Tensor), (_aten.sub_.Tensor, _aten.sub.Tensor))
+    },
+    **{
+        getattr(_aten, name).Scalar: reduced_float_comparison(getattr(_aten, name).Scalar)
+        for name in ("eq", "ne", "lt", "le", "gt", "ge")
+    },
+    **{
+        getattr(_aten, name).Tensor: reduced_float_comparison(getattr(_aten, name).Tensor)
+        for name in ("eq", "ne", "lt", "le", "gt", "ge")
+    },
 }

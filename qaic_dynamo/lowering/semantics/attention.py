@@ -17,9 +17,16 @@ __all__ = ["masked_attention", "open_sdpa"]
 _reentry = threading.local()
 
 
-def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0,
-                      is_causal: bool = False, *, attn_mask: torch.Tensor | None = None,
-                      scale: float | None = None) -> Any:
+def masked_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> Any:
     """``scaled_dot_product_attention`` with a mask, as torch's CPU kernel computes it: a
     query row whose keys are all masked out gives zeros (onnxscript's plain Softmax gives
     NaN there, which spreads into anything reduced over that row - a left-padded batch's
@@ -54,7 +61,8 @@ def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     _reentry.attention = True
     try:
         out, *rest = _aten._scaled_dot_product_flash_attention_for_cpu.default(
-            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+        )
     finally:
         _reentry.attention = False
     if attn_mask is not None:
@@ -63,8 +71,15 @@ def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return (out.to(dtype), *rest)
 
 
-def _attention_with_dropout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float,
-                            is_causal: bool, attn_mask: torch.Tensor | None, scale: float | None) -> Any:
+def _attention_with_dropout(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    attn_mask: torch.Tensor | None,
+    scale: float | None,
+) -> Any:
     """Attention with dropout on its weights (training mode), written out: the translation's
     Dropout has no ``training_mode`` (the identity, by ONNX's definition), so the weights
     were never dropped. Dropout draws from ONNX Runtime's generator, as ``F.dropout`` in a
@@ -87,9 +102,17 @@ def _attention_with_dropout(query: torch.Tensor, key: torch.Tensor, value: torch
     return out.to(dtype), torch.logsumexp(scores, -1)
 
 
-def open_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
-               dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
-               enable_gqa: bool = False) -> Any:
+def open_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Any:
     """sdpa as its CPU kernel runs it in inference: the flash op, a bool mask made a float
     one, which :func:`masked_attention` then gives eager's masked rows (the exporter path,
     where torch.export keeps sdpa whole)."""
@@ -98,4 +121,5 @@ def open_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))
     return _aten._scaled_dot_product_flash_attention_for_cpu.default(
-        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )[0]

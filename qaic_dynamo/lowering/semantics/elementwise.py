@@ -72,8 +72,10 @@ def integer_pow(base: Any, exponent: Any) -> Any:
     if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
         return NotImplemented
     if isinstance(exponent, torch.Tensor) or not isinstance(base, torch.Tensor):
-        raise LoweringError("an integer pow by a tensor: ONNX Runtime's Pow works in double (3**39 loses its last "
-                            "digits); such a piece runs eagerly")
+        raise LoweringError(
+            "an integer pow by a tensor: ONNX Runtime's Pow works in double (3**39 loses its last "
+            "digits); such a piece runs eagerly"
+        )
     if not isinstance(exponent, int) or exponent < 0:
         return NotImplemented  # a size, or eager's own error for a negative exponent
     result, square, n = torch.ones_like(base, dtype=dtype), base.to(dtype), exponent

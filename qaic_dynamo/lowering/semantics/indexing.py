@@ -33,8 +33,9 @@ def scatter_reduce(x: Any, dim: int, index: Any, src: Any, reduce: str, *, inclu
     return NotImplemented
 
 
-def arange(*args: Any, dtype: torch.dtype | None = None, layout: Any = None, device: Any = None,
-            pin_memory: Any = None) -> Any:
+def arange(
+    *args: Any, dtype: torch.dtype | None = None, layout: Any = None, device: Any = None, pin_memory: Any = None
+) -> Any:
     """``arange`` with a float bound or step (or a float64 result) as eager computes it: the
     length ``ceil((end - start) / step)`` and every value ``start + i * step`` in double,
     then cast. onnxscript's translation runs ONNX Range in float32: arange(0.5, 3.2, 0.3)

@@ -18,6 +18,7 @@ def layer_norm_in_float32(x: Any, shape: Any, weight: Any = None, bias: Any = No
     float16 LayerNorm piece ran eagerly."""
     if x.dtype not in (torch.float16, torch.bfloat16):
         return NotImplemented
+
     def widen(t: Any) -> Any:
         return t.float() if t is not None else None
 
@@ -25,8 +26,9 @@ def layer_norm_in_float32(x: Any, shape: Any, weight: Any = None, bias: Any = No
     return out.to(x.dtype), mean.to(x.dtype), rstd.to(x.dtype)
 
 
-def batch_norm_no_training(x: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any, momentum: float,
-                            eps: float) -> Any:
+def batch_norm_no_training(
+    x: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any, momentum: float, eps: float
+) -> Any:
     """Eval-mode batch norm with its running statistics, as torch's CPU decomposition
     computes it (float16 / bfloat16 in float32), with empty saved statistics. onnxscript's
     translation declares those empty outputs with the channel count, which fails the ONNX

@@ -16,7 +16,14 @@ import torch
 from qaic_dynamo.errors import LoweringError
 from qaic_dynamo.lowering.semantics.common import REDUCED, round_to
 
-__all__ = ["in_float32", "in_place", "reduced_float_comparison", "reduced_float_scaled_sum", "reduced_float_scaling", "reduced_wide"]
+__all__ = [
+    "in_float32",
+    "in_place",
+    "reduced_float_comparison",
+    "reduced_float_scaled_sum",
+    "reduced_float_scaling",
+    "reduced_wide",
+]
 
 
 def reduced_wide(a: Any, b: Any, dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
@@ -107,14 +114,22 @@ def reduced_float_scaled_sum(op: Any) -> Callable[..., Any]:
     An alpha past float16's range, which eager refuses, runs eagerly so that it raises."""
 
     def compute(a: Any, b: Any, *, alpha: Any = 1) -> Any:
-        if (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha == 1
-                or not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor)
-                or a.dtype != torch.float16 or b.dtype != a.dtype):
+        if (
+            isinstance(alpha, bool)
+            or not isinstance(alpha, (int, float))
+            or alpha == 1
+            or not isinstance(a, torch.Tensor)
+            or not isinstance(b, torch.Tensor)
+            or a.dtype != torch.float16
+            or b.dtype != a.dtype
+        ):
             return NotImplemented
         rounded = round_to(float(alpha), a.dtype)
         if math.isinf(rounded) and not math.isinf(alpha):
-            raise LoweringError(f"{op}: alpha={alpha} is past float16's range, which eager refuses; the piece runs "
-                                "eagerly, where it raises")
+            raise LoweringError(
+                f"{op}: alpha={alpha} is past float16's range, which eager refuses; the piece runs "
+                "eagerly, where it raises"
+            )
         return op(a.float(), b.float() * rounded).to(a.dtype)
 
     return compute

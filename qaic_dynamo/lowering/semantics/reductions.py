@@ -13,7 +13,15 @@ import torch
 from qaic_dynamo.errors import LoweringError
 from qaic_dynamo.lowering.semantics.common import REDUCED, integer_result, reduced_dims
 
-__all__ = ["any_as_count", "exact_integer_sum", "float32_cumsum", "integer_isclose", "mean_of_maybe_empty", "reduce_all_dims", "refuse_integer_prod"]
+__all__ = [
+    "any_as_count",
+    "exact_integer_sum",
+    "float32_cumsum",
+    "integer_isclose",
+    "mean_of_maybe_empty",
+    "reduce_all_dims",
+    "refuse_integer_prod",
+]
 
 
 def reduce_all_dims(op: Any) -> Callable[..., Any]:
@@ -109,5 +117,7 @@ def exact_integer_sum(x: Any, dim: Any = None, keepdim: bool = False, *, dtype: 
 def refuse_integer_prod(x: Any, *args: Any, dtype: Any = None, **kwargs: Any) -> Any:
     if integer_result(x, dtype) is None:
         return NotImplemented
-    raise LoweringError("an integer prod: ONNX Runtime's CPU ReduceProd multiplies int64 in double (3**39 loses its "
-                        "last digits) and saturates an overflow where eager wraps; such a piece runs eagerly")
+    raise LoweringError(
+        "an integer prod: ONNX Runtime's CPU ReduceProd multiplies int64 in double (3**39 loses its "
+        "last digits) and saturates an overflow where eager wraps; such a piece runs eagerly"
+    )

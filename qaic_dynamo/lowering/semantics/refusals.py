@@ -19,9 +19,18 @@ def refusal(op: str, why: str) -> Callable[..., Any]:
     return refuse
 
 
-def refuse_divisor_override(x: Any, kernel_size: Any, stride: Any = (), padding: Any = 0, ceil_mode: bool = False,
-                             count_include_pad: bool = True, divisor_override: Any = None) -> Any:
+def refuse_divisor_override(
+    x: Any,
+    kernel_size: Any,
+    stride: Any = (),
+    padding: Any = 0,
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    divisor_override: Any = None,
+) -> Any:
     if divisor_override is None:
         return NotImplemented
-    raise LoweringError("avg_pool with divisor_override: the translation ignores it (it divided by the window size); "
-                        "such a piece runs eagerly")
+    raise LoweringError(
+        "avg_pool with divisor_override: the translation ignores it (it divided by the window size); "
+        "such a piece runs eagerly"
+    )
