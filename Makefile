@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # the suite (13 -> 7.4 minutes measured). `make test PYTEST_WORKERS=0` runs in one process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test test-all lint build clean
+.PHONY: demo test test-all lint check-install build clean
 
 # Python 3.11: the pinned torch CPU wheel is built for it.
 $(BIN)/python:
@@ -56,6 +56,23 @@ test: build lint
 # Everything, including tests marked slow.
 test-all: build lint
 	$(BIN)/python -m pytest tests -m "" -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+
+# What `pip install .` gives a user: a fresh venv with torch (CPU) first, then the package
+# and the dependencies setup.py declares, checked from outside the source tree. The
+# extension compiles against that torch, hence --no-build-isolation (an isolated build
+# would fetch a second, CUDA, torch just to compile against).
+FRESH := build/fresh-venv
+check-install:
+	rm -rf $(FRESH)
+	$(PYTHON) -m venv $(FRESH)
+	$(FRESH)/bin/pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(FRESH)/bin/pip install -q setuptools==84.2.1 ninja==1.13.2
+	$(FRESH)/bin/pip install -q --no-build-isolation .
+	cd $(FRESH) && bin/python -c "import qaic_dynamo, qaic_dynamo.compiler, qaic_dynamo.deploy.export, torch; \
+		assert 'qaic' in torch._dynamo.list_backends(), 'backend not registered'; \
+		assert qaic_dynamo.__file__.startswith('$(CURDIR)/$(FRESH)/'), qaic_dynamo.__file__; \
+		print('import qaic_dynamo: ok from', qaic_dynamo.__file__)"
+	cd $(FRESH) && bin/qaic-dynamo --help > /dev/null && echo "qaic-dynamo --help: ok"
 
 clean:
 	rm -rf build qaic_dynamo/_C*.so *.egg-info .pytest_cache

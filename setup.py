@@ -44,13 +44,33 @@ setup(
     description="torch.compile backend and KV-cache op layer for Qualcomm Cloud AI 100 style accelerators",
     long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     packages=find_packages(include=["qaic_dynamo", "qaic_dynamo.*"]),
     ext_modules=ext_modules,
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-    # torch is pinned in requirements.txt and installed first (see Makefile); naming it
-    # here with a range would let pip pick a different, CUDA, build.
-    install_requires=[],
+    # Compatible ranges; requirements*.txt pin the exact versions tested. torch is held to
+    # the tested minor release because qaic_dynamo._compat has one adapter per release.
+    # Install torch first (CPU build, see the Makefile): with torch already installed this
+    # range is met and pip fetches no other build.
+    install_requires=[
+        "torch>=2.13,<2.14",
+        "numpy>=2.0,<3",
+        "onnx>=1.23,<2",
+        "onnxscript>=0.7.2,<0.8",
+        "onnx-ir>=1.1,<2",
+        "onnxruntime>=1.31,<2",
+        "transformers>=5.23,<6",
+        "tokenizers>=0.23,<0.24",
+        "sympy>=1.14,<2",
+        "safetensors>=0.8,<1",
+        "pyyaml>=6,<7",
+        "filelock>=4.2,<5",
+        "tqdm>=4.70,<5",
+    ],
+    extras_require={
+        # Plots of the benchmarks (benchmarks/*.py write PNGs with it).
+        "bench": ["matplotlib>=3.11,<4"],
+    },
     entry_points={
         "console_scripts": ["qaic-dynamo = qaic_dynamo.cli:main"],
         # torch.compile(backend="qaic") finds the backend here without an import.
