@@ -101,7 +101,7 @@ class CompilationConfig:
         metadata=_doc(
             "How qaic_dynamo.compile's repeated blocks are called once compiled: 'guarded' "
             "checks Dynamo's own guards for the block and runs its compiled code directly "
-            "(saves Dynamo's per-call entry, ~0.2-0.4 ms per layer and step); 'dynamo' "
+            "(saves Dynamo's per-call entry on every layer and step); 'dynamo' "
             "enters through torch.compile's wrapper on every call. Whole-model compiles "
             "ignore it."
         ),

@@ -51,8 +51,8 @@ def deferred_script_conversion() -> Iterator[None]:
       signature (from ``func``'s annotations) when first asked for it.
 
     Importing onnxscript's torch library wraps ~50 script-mode and ~440 trace-only
-    functions, converting or inferring all of them - ~0.4 s of every cold process that
-    lowers, for the dozen functions a transformer's pieces use.
+    functions, converting or inferring all of them - a large part of every cold process
+    that lowers, for the dozen functions a transformer's pieces use.
 
     Entries are counted: the first saves onnxscript's wrappers and installs ours, the last
     exit restores them, whatever the order threads leave in. Once the library is imported

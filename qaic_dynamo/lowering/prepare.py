@@ -412,7 +412,7 @@ def fake_values(gm: fx.GraphModule, example_args: Sequence[Any], fake_mode: Any)
     ``meta["example_value"]``, and ``split_module`` copies node meta into the pieces: a
     piece whose placeholders hold exactly ``example_args`` (the backend's pieces) takes
     those. Running ``FakeTensorProp`` instead re-runs every op on fakes with symbolic
-    shapes: 0.1-0.4 s a piece here, as much as its whole aten trace. Any other graph (one
+    shapes, as costly as the piece's whole aten trace. Any other graph (one
     a node of which lacks the value, or called on other arguments) is propagated.
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -53,13 +53,13 @@ def build_onnx_registry(opset: int) -> Any:
     The same registry as ``ONNXRegistry.from_torchlib``, built without its one slow step:
     that lists onnxscript's torch library through ``get_torchlib_ops()``, which parses the
     source of every one of ~540 functions (``function_ir``) only to read a domain the
-    registry never uses - 0.6 of its 1.2 s here, paid by every cold process that lowers.
+    registry never uses - half of its time, paid by every cold process that lowers.
     ``test_registry_matches_from_torchlib`` checks that both give the same functions.
 
     The ONNX signature of each onnxscript function (what dispatch matches a node's
     arguments against) is inferred when a graph first uses its op
-    (:func:`infer_op_signatures`), not here: inferring all ~560 up front took 0.3-0.5 s
-    of every cold process, for the dozen ops a transformer uses.
+    (:func:`infer_op_signatures`), not here: inferring all ~560 up front costs every cold
+    process, for the dozen ops a transformer uses.
     """
     reg = torch_onnx_internals().registration
     # Importing the ops registers them in onnxscript's default registry.
@@ -103,10 +103,10 @@ def decompositions(opset: int) -> dict[Any, Any]:
     from ``torch.export.default_decompositions()`` for CompositeImplicitAutograd ops: those
     run the op's CompositeImplicitAutograd kernel, which ``make_fx`` runs anyway for an op
     autograd would have decomposed - and finding them walks every operator of the
-    dispatcher, 0.3 of the table's 0.45 s (cProfile) in every cold process. The core ATen
+    dispatcher, most of the table's time in every cold process. The core ATen
     decompositions and torch._decomp's table are kept, first-found wins, as there.
-    Measured: every piece of the reference models and six transformers families, whole
-    and regional, lowers to byte-identical ONNX with either table;
+    Every piece of the reference models and six transformers families, whole and
+    regional, lowers to byte-identical ONNX with either table (a slow test checks it);
     ``test_decompositions_are_the_exporters_without_its_composite_implicit_entries``
     checks the tables.
     """

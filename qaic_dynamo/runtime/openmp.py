@@ -56,9 +56,8 @@ def release_openmp_workers() -> bool:
 
     After a parallel region PyTorch's OpenMP workers keep spinning for milliseconds
     (libgomp's default wait policy), and ONNX Runtime's own threads then share the cores
-    with them: measured on 2 cores, a 32000-wide head ran in 9.6 ms right after an eager
-    ``aten::index`` against 5.7 ms otherwise, and prefill pieces after attention
-    (SDPA is parallel) lost ~30%. ``omp_pause_resource_all`` (OpenMP 5.0) ends the
+    with them: a piece right after a parallel eager op (attention, an index) runs markedly
+    slower (docs/benchmarks.md, step latency). ``omp_pause_resource_all`` (OpenMP 5.0) ends the
     spinning at once; PyTorch's next parallel region starts fresh threads. It touches
     only the calling thread's team, and is a no-op inside a parallel region or when no
     OpenMP runtime is found. ``OMP_WAIT_POLICY=PASSIVE`` has the same effect but must be

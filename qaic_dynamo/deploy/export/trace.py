@@ -50,8 +50,8 @@ def model_identity(engine_model: nn.Module) -> dict[str, Any]:
     loading) and a digest of every byte of every parameter and buffer.
 
     All of it, not a sample: the hash names the directory an export writes, so two models
-    that hashed alike would overwrite each other's artifact (measured: sha256 hashes
-    ~1.7 GB/s here, less than writing the weights takes)."""
+    that hashed alike would overwrite each other's artifact (hashing the weights costs
+    less than writing them)."""
     cfg = model_config(engine_model, text=False)  # all of it: a multimodal model's top-level settings too
     cfg_dict = (
         cfg.to_dict()
