@@ -109,8 +109,8 @@ def symbolic_context(dynamic: list[bool]) -> Any:
     return StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC if d else DimDynamic.STATIC for d in dynamic])
 
 
-def free_symbols(value: Any) -> set[Any]:
-    """The sympy symbols in a (fake) value's sizes."""
+def free_symbols(value: Any) -> Any:
+    """The sympy symbols in a (fake) value's sizes (a set-like collection)."""
     from torch.fx.experimental.symbolic_shapes import free_symbols as free
 
     return free(value)

@@ -61,6 +61,9 @@ class _ThreadBinding:
         self.io = session.io_binding()
         # The wrapper's bind_* build a device object per call; this is the same binding.
         self.c_io = self.io._iobinding
+        #: What is bound but not the caller's (contiguous copies, size carriers): it must
+        #: outlive the run.
+        self.keep: list[torch.Tensor] = []
         self.bound: dict[str, tuple[int, tuple[int, ...], torch.dtype, bool]] = {}
 
 
