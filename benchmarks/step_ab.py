@@ -48,8 +48,11 @@ def child(args: argparse.Namespace) -> None:
     from decode_latency import CONTEXT, build
 
     import qaic_dynamo
-    from qaic_dynamo import LLM
+    from qaic_dynamo import LLM, qaic_backend
 
+    # torch.compile(backend="qaic") would load the installed package's entry point, whose
+    # module path may not exist in the checkout measured here: register this checkout's.
+    torch._dynamo.register_backend(qaic_backend, name="qaic")
     model = build(args.layers, args.hidden_size, args.vocab)
     extra = {"regional": False} if args.config == "whole" else {}
     llm = LLM(model, backend="qaic", max_num_seqs=8, max_model_len=CONTEXT + 8, block_size=16, **extra)
