@@ -29,7 +29,10 @@ ext = CppExtension(
     # torch's CPU wheel is built with OpenMP; at::parallel_for is inlined into our code
     # and only runs in parallel when we compile with it too. libgomp resolves to the copy
     # torch has already loaded (same soname), so there is one OpenMP runtime.
-    extra_compile_args=["-O3", "-std=c++17", "-fopenmp"],
+    # C++20: torch 2.13's own headers use it (bit-field initialisers). -Wno-attributes:
+    # torch's bundled pybind11 headers warn about their own lambdas' visibility for every
+    # class bound (nothing a user of this package can act on).
+    extra_compile_args=["-O3", "-std=c++20", "-fopenmp", "-Wno-attributes"],
     extra_link_args=["-fopenmp"],
 )
 
