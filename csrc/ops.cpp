@@ -1,7 +1,7 @@
 // The qaic op library: schemas, the layer-resolving ops, and the Python module.
 //
 // Every op is declared in the TORCH_LIBRARY(qaic) block below and has a CPU kernel here
-// or in a sibling file. Fake (meta) kernels live in qaic_dynamo/ops.py so that Dynamo can
+// or in a sibling file. Fake (meta) kernels live in qaic_dynamo/ops/fake.py so that Dynamo can
 // trace the ops without running them.
 //
 // The unified_* ops take a layer name instead of cache tensors. That is the point of
@@ -131,64 +131,6 @@ std::tuple<at::Tensor, at::Tensor> kv_cache_scatter(
   return {k, v};
 }
 
-// QEfficient's retained-state KV write, for the deployment export: updates[b, h, s] goes to
-// data[b, h, position_ids[b, s]]; a position of -1 is padding and writes nothing. Returns
-// an updated copy (its ONNX translation, CtxScatter, is a ScatterND on retained state).
-at::Tensor ctx_scatter(const at::Tensor& data, const at::Tensor& position_ids, const at::Tensor& updates) {
-  TORCH_CHECK(data.dim() == 4, "ctx_scatter: data must be [batch, heads, ctx_len, head_dim], got ", data.sizes());
-  TORCH_CHECK(
-      position_ids.dim() == 2 && position_ids.size(0) == data.size(0),
-      "ctx_scatter: position_ids must be [batch, seq_len] with batch ", data.size(0), ", got ",
-      position_ids.sizes());
-  TORCH_CHECK(
-      position_ids.scalar_type() == at::kLong || position_ids.scalar_type() == at::kInt,
-      "ctx_scatter: position_ids must be int32 or int64, got ", position_ids.scalar_type());
-  TORCH_CHECK(
-      updates.dim() == 4 && updates.size(0) == data.size(0) && updates.size(1) == data.size(1) &&
-          updates.size(2) == position_ids.size(1) && updates.size(3) == data.size(3),
-      "ctx_scatter: updates must be [batch, heads, seq_len, head_dim] = [", data.size(0), ", ",
-      data.size(1), ", ", position_ids.size(1), ", ", data.size(3), "], got ", updates.sizes());
-  TORCH_CHECK(
-      updates.scalar_type() == data.scalar_type(), "ctx_scatter: updates are ", updates.scalar_type(),
-      " but data is ", data.scalar_type());
-  at::Tensor out = data.clone(at::MemoryFormat::Contiguous);
-  const at::Tensor pos = position_ids.to(at::kLong).contiguous();
-  const int64_t ctx_len = data.size(2);
-  const int64_t* p = pos.const_data_ptr<int64_t>();
-  for (int64_t b = 0; b < pos.size(0); ++b) {
-    for (int64_t s = 0; s < pos.size(1); ++s) {
-      const int64_t slot = p[b * pos.size(1) + s];
-      if (slot < 0) continue;  // padding
-      TORCH_CHECK(
-          slot < ctx_len, "ctx_scatter: position ", slot, " (batch ", b, ", token ", s,
-          ") does not fit in ctx_len ", ctx_len, "; export with a larger ctx_len");
-      out.select(0, b).select(1, slot).copy_(updates.select(0, b).select(1, s));
-    }
-  }
-  return out;
-}
-
-// QEfficient's retained-state KV read: out[b, h, n] = data[b, h, ctx_indices[b, h, n]]
-// (GatherND with batch_dims=2 in ONNX, CtxGather).
-at::Tensor ctx_gather(const at::Tensor& data, const at::Tensor& ctx_indices) {
-  TORCH_CHECK(data.dim() == 4, "ctx_gather: data must be [batch, heads, ctx_len, head_dim], got ", data.sizes());
-  TORCH_CHECK(
-      ctx_indices.dim() == 3 && ctx_indices.size(0) == data.size(0) && ctx_indices.size(1) == data.size(1),
-      "ctx_gather: ctx_indices must be [batch, heads, n] with batch ", data.size(0), " and heads ",
-      data.size(1), ", got ", ctx_indices.sizes());
-  TORCH_CHECK(
-      ctx_indices.scalar_type() == at::kLong || ctx_indices.scalar_type() == at::kInt,
-      "ctx_gather: ctx_indices must be int32 or int64, got ", ctx_indices.scalar_type());
-  const at::Tensor idx = ctx_indices.to(at::kLong);
-  if (idx.numel() > 0) {
-    const int64_t lo = idx.min().item<int64_t>(), hi = idx.max().item<int64_t>();
-    TORCH_CHECK(
-        lo >= 0 && hi < data.size(2), "ctx_gather: ctx_indices must lie in [0, ", data.size(2),
-        "), got [", lo, ", ", hi, "]");
-  }
-  return at::gather(data, 2, idx.unsqueeze(-1).expand({idx.size(0), idx.size(1), idx.size(2), data.size(3)}));
-}
-
 std::vector<at::Tensor> caches_of(const ResolvedLayer& r) {
   return *r.caches;
 }
@@ -205,6 +147,8 @@ TORCH_LIBRARY(qaic, m) {
   m.def("unified_kv_cache_update(Tensor key, Tensor value, str layer_name) -> Tensor");
   m.def("ctx_scatter(Tensor data, Tensor position_ids, Tensor updates) -> Tensor");
   m.def("ctx_gather(Tensor data, Tensor ctx_indices) -> Tensor");
+  m.def("ctx_scatter_cb(Tensor data, Tensor batch_index, Tensor position_ids, Tensor updates) -> Tensor");
+  m.def("ctx_gather_cb(Tensor data, Tensor batch_index, Tensor ctx_indices) -> Tensor");
   m.def(
       "unified_mla_kv_cache_update(Tensor kv_c_normed, Tensor k_pe, str layer_name) "
       "-> Tensor");
@@ -222,6 +166,8 @@ TORCH_LIBRARY_IMPL(qaic, CPU, m) {
   m.impl("kv_cache_scatter", &kv_cache_scatter);
   m.impl("ctx_scatter", &ctx_scatter);
   m.impl("ctx_gather", &ctx_gather);
+  m.impl("ctx_scatter_cb", &ctx_scatter_cb);
+  m.impl("ctx_gather_cb", &ctx_gather_cb);
   m.impl("unified_kv_cache_update", &unified_kv_cache_update);
   m.impl("unified_mla_kv_cache_update", &unified_mla_kv_cache_update);
   m.impl("unified_attention", &unified_attention);

@@ -499,6 +499,108 @@ def test_ctx_ops_and_their_onnx_functions_agree():
     )
 
 
+def run_function(fn, inputs):
+    """Run one onnxscript function as a one-node ONNX Runtime model."""
+    from onnx import helper
+
+    proto = fn.to_function_proto()
+    names = list(proto.input)
+    node = helper.make_node(proto.name, names, ["out"], domain=proto.domain)
+    vis = [
+        helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+        for n, v in zip(names, inputs)
+    ]
+    graph = helper.make_graph([node], "g", vis, [helper.make_tensor_value_info("out", 1, None)])
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(proto.domain, 1)],
+        functions=[proto],
+        ir_version=10,
+    )
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, dict(zip(names, inputs))
+    )[0]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_continuous_batching_ops_and_their_onnx_functions_agree_with_a_reference(seed):
+    """ctx_scatter_cb / ctx_gather_cb against plain indexing, and CtxScatterCB / CtxGatherCB
+    against the kernels: only the named cache rows change, padding (-1) writes nothing, and a
+    row of padding alone leaves its cache row as it was."""
+    from qaic_dynamo.ops.onnx_functions import CtxGatherCB, CtxScatterCB
+
+    g = torch.Generator().manual_seed(seed)
+    full, heads, ctx, dim, batch, seq = 5, 2, 9, 3, 3, 4
+    data = torch.randn(full, heads, ctx, dim, generator=g)
+    rows = torch.randperm(full, generator=g)[:batch].reshape(batch, 1)
+    pos = torch.randint(0, ctx, (batch, seq), generator=g)
+    pos[torch.rand(batch, seq, generator=g) < 0.3] = -1
+    pos[seed % batch] = -1  # one row all padding
+    for b in range(batch):  # distinct positions in a row (as every real step has)
+        real = pos[b][pos[b] >= 0]
+        pos[b][pos[b] >= 0] = torch.randperm(ctx, generator=g)[: len(real)]
+    upd = torch.randn(batch, heads, seq, dim, generator=g)
+    want = data.clone()
+    for b in range(batch):
+        for s in range(seq):
+            if pos[b, s] >= 0:
+                want[rows[b, 0], :, pos[b, s]] = upd[b, :, s]
+    got = torch.ops.qaic.ctx_scatter_cb(data, rows, pos, upd)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    np.testing.assert_array_equal(
+        run_function(CtxScatterCB, [data.numpy(), rows.numpy(), pos.numpy(), upd.numpy()]), want.numpy()
+    )
+    idx = torch.randint(0, ctx, (batch, heads, 6), generator=g)
+    want_g = torch.stack([torch.stack([data[rows[b, 0], h, idx[b, h]] for h in range(heads)]) for b in range(batch)])
+    torch.testing.assert_close(torch.ops.qaic.ctx_gather_cb(data, rows, idx), want_g, atol=0, rtol=0)
+    np.testing.assert_array_equal(run_function(CtxGatherCB, [data.numpy(), rows.numpy(), idx.numpy()]), want_g.numpy())
+
+
+def _cb_scatter_args():
+    return torch.randn(4, 2, 7, 3), torch.tensor([[3], [1]]), torch.tensor([[2, -1], [0, 6]]), torch.randn(2, 2, 2, 3)
+
+
+def _cb_gather_args():
+    return torch.randn(4, 2, 7, 3), torch.tensor([[0], [2]]), torch.randint(0, 7, (2, 2, 5))
+
+
+@pytest.mark.parametrize(
+    "op, args", [("ctx_scatter_cb", _cb_scatter_args), ("ctx_gather_cb", _cb_gather_args)], ids=["scatter", "gather"]
+)
+def test_continuous_batching_ops_opcheck(op, args):
+    torch.library.opcheck(getattr(torch.ops.qaic, op).default, args())
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (
+            lambda d, b, p, u: torch.ops.qaic.ctx_scatter_cb(d, torch.tensor([[4], [1]]), p, u),
+            r"batch_index\[0\] = 4 is not a row of the cache's 4 \(full_batch_size\)",
+        ),
+        (lambda d, b, p, u: torch.ops.qaic.ctx_scatter_cb(d, torch.tensor([[1], [1]]), p, u), "names row 1 twice"),
+        (
+            lambda d, b, p, u: torch.ops.qaic.ctx_scatter_cb(d, torch.tensor([3, 1]), p, u),
+            r"batch_index must be \[batch, 1\]",
+        ),
+        (
+            lambda d, b, p, u: torch.ops.qaic.ctx_scatter_cb(d, b, torch.tensor([[7, 0], [0, 1]]), u),
+            "position 7 .* does not fit in ctx_len 7",
+        ),
+        (lambda d, b, p, u: torch.ops.qaic.ctx_gather_cb(d, b, torch.full((2, 2, 1), 7)), r"must lie in \[0, 7\)"),
+        (
+            lambda d, b, p, u: torch.ops.qaic.ctx_gather_cb(
+                d, torch.tensor([[0]]), torch.zeros(2, 2, 1, dtype=torch.long)
+            ),
+            r"ctx_indices must be \[batch, heads, n\] with batch 1",
+        ),
+    ],
+)
+def test_continuous_batching_op_errors(call, message):
+    with pytest.raises(RuntimeError, match=message):
+        call(*_cb_scatter_args())
+
+
 @pytest.mark.parametrize(
     "op, args",
     [

@@ -23,6 +23,10 @@ Op contracts (shapes use T = tokens, H = heads, D = head size):
   ``com.qualcomm.cloud::CtxScatter``.
 * ``ctx_gather(data[B,H,C,D], ctx_indices[B,H,N]) -> [B,H,N,D]``: the matching read
   (``GatherND`` with ``batch_dims=2``); in ONNX ``com.qualcomm.cloud::CtxGather``.
+* ``ctx_scatter_cb(data[F,H,C,D], batch_index[B,1], position_ids[B,S], updates[B,H,S,D])``
+  and ``ctx_gather_cb(data[F,H,C,D], batch_index[B,1], ctx_indices[B,H,N]) -> [B,H,N,D]``:
+  the same for continuous batching, where the cache holds ``full_batch_size`` rows and a
+  call names the rows it works on (each once); ``CtxScatterCB`` / ``CtxGatherCB`` in ONNX.
 * ``unified_kv_cache_update(key, value, layer_name) -> dep`` resolves the layer in the
   forward context, writes its caches with the context's slot mapping and returns an empty
   dependency tensor that attention takes, so the graph orders the read after the write.
@@ -61,7 +65,9 @@ __all__ = [
     "OpRole",
     "QaicOp",
     "ctx_gather",
+    "ctx_gather_cb",
     "ctx_scatter",
+    "ctx_scatter_cb",
     "kv_cache_scatter",
     "kv_cache_update_op",
     "op_name",
@@ -105,6 +111,20 @@ def ctx_scatter(data: torch.Tensor, position_ids: torch.Tensor, updates: torch.T
 def ctx_gather(data: torch.Tensor, ctx_indices: torch.Tensor) -> torch.Tensor:
     """Retained-state KV read (QEfficient's CtxGather): ``data[b, h, ctx_indices[b, h, n]]``."""
     return torch.ops.qaic.ctx_gather(data, ctx_indices)
+
+
+def ctx_scatter_cb(
+    data: torch.Tensor, batch_index: torch.Tensor, position_ids: torch.Tensor, updates: torch.Tensor
+) -> torch.Tensor:
+    """Continuous-batching retained-state write (QEfficient's CtxScatterCB): updates[b, h, s]
+    -> data[batch_index[b], h, position_ids[b, s]]; only the rows named change."""
+    return torch.ops.qaic.ctx_scatter_cb(data, batch_index, position_ids, updates)
+
+
+def ctx_gather_cb(data: torch.Tensor, batch_index: torch.Tensor, ctx_indices: torch.Tensor) -> torch.Tensor:
+    """Continuous-batching retained-state read (QEfficient's CtxGatherCB):
+    ``data[batch_index[b], h, ctx_indices[b, h, n]]`` -> [B, H, N, D]."""
+    return torch.ops.qaic.ctx_gather_cb(data, batch_index, ctx_indices)
 
 
 def unified_kv_cache_update(

@@ -47,6 +47,24 @@ def _ctx_gather_fake(data, ctx_indices):
     return data.new_empty((ctx_indices.shape[0], ctx_indices.shape[1], ctx_indices.shape[2], data.shape[3]))
 
 
+@torch.library.register_fake("qaic::ctx_scatter_cb")
+def _ctx_scatter_cb_fake(data, batch_index, position_ids, updates):
+    torch._check(
+        data.dim() == 4 and batch_index.dim() == 2 and position_ids.dim() == 2 and updates.dim() == 4,
+        lambda: "ctx_scatter_cb: data and updates must be 4-d, batch_index and position_ids 2-d",
+    )
+    return torch.empty_like(data, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("qaic::ctx_gather_cb")
+def _ctx_gather_cb_fake(data, batch_index, ctx_indices):
+    torch._check(
+        data.dim() == 4 and batch_index.dim() == 2 and ctx_indices.dim() == 3,
+        lambda: "ctx_gather_cb: data must be 4-d, batch_index 2-d and ctx_indices 3-d",
+    )
+    return data.new_empty((ctx_indices.shape[0], ctx_indices.shape[1], ctx_indices.shape[2], data.shape[3]))
+
+
 @torch.library.register_fake("qaic::unified_kv_cache_update")
 def _unified_kv_cache_update_fake(key, value, layer_name):
     return key.new_empty(0)

@@ -40,7 +40,16 @@ from onnxscript.values import Op, Opset
 
 from qaic_dynamo.ops.registry import QAIC_DOMAIN
 
-__all__ = ["CtxGather", "CtxScatter", "KVCacheScatter", "TRANSLATIONS", "function_protos", "kv_cache_scatter_node"]
+__all__ = [
+    "TRANSLATIONS",
+    "CtxGather",
+    "CtxGatherCB",
+    "CtxScatter",
+    "CtxScatterCB",
+    "KVCacheScatter",
+    "function_protos",
+    "kv_cache_scatter_node",
+]
 qaic_opset = Opset(QAIC_DOMAIN, 1)
 
 # typing.Union, not ``|``: onnxscript's converter reads the bound and cannot read a types.UnionType.
@@ -151,6 +160,74 @@ def CtxGather(data: TFloat, ctx_indices: INT64) -> TFloat:
     return op.GatherND(data, op.Unsqueeze(ctx_indices, op.Constant(value_ints=[3])), batch_dims=2)
 
 
+@onnxscript.script(qaic_opset, default_opset=op)
+def CtxScatterCB(data: TFloat, batch_index: INT64, position_ids: INT64, updates: TFloat) -> TFloat:
+    """QEfficient's continuous-batching write: updates[b, h, s] -> data[batch_index[b], h,
+    position_ids[b, s]]; rows not named keep their values. Padding (-1) repeats the row's
+    first real write, or rewrites slot 0 of its cache row with its own value, as CtxScatter."""
+    zero = op.Constant(value_ints=[0])
+    one = op.Constant(value_ints=[1])
+    two = op.Constant(value_ints=[2])
+    three = op.Constant(value_ints=[3])
+    shape = op.Shape(data)
+    pshape = op.Shape(position_ids)
+    batch = op.Slice(pshape, zero, one)
+    seq = op.Slice(pshape, one, two)
+    heads = op.Slice(shape, one, two)
+    head_dim = op.Slice(shape, three, op.Constant(value_ints=[4]))
+
+    valid = op.GreaterOrEqual(position_ids, op.Constant(value_int=0))  # [B, S]
+    first = op.ArgMax(op.Cast(valid, to=6), axis=1, keepdims=1)  # [B, 1]
+    first_pos = op.GatherElements(position_ids, first, axis=1)  # [B, 1]
+    any_valid = op.GreaterOrEqual(first_pos, op.Constant(value_int=0))
+    fill_pos = op.Where(any_valid, first_pos, op.Constant(value_int=0))
+    pos = op.Where(valid, position_ids, fill_pos)  # [B, S]
+
+    # (row, h, 0) of every batch entry: its cache row's slot 0, read when a row is all padding.
+    h_range = op.Range(op.Constant(value_int=0), op.Squeeze(heads, zero), op.Constant(value_int=1))
+    grid0 = op.Concat(batch, heads, one, axis=0)
+    row0 = op.Expand(op.Unsqueeze(batch_index, op.Constant(value_ints=[2])), grid0)  # [B, H, 1]
+    head0 = op.Expand(op.Unsqueeze(h_range, op.Constant(value_ints=[0, 2])), grid0)
+    zeros0 = op.Expand(op.Constant(value_ints=[0]), grid0)
+    idx0 = op.Concat(op.Unsqueeze(row0, three), op.Unsqueeze(head0, three), op.Unsqueeze(zeros0, three), axis=3)
+    slot0 = op.GatherND(data, idx0)  # [B, H, 1, D]
+
+    row_shape = op.Concat(batch, heads, one, head_dim, axis=0)
+    first_idx = op.Expand(op.Unsqueeze(first, op.Constant(value_ints=[1, 3])), row_shape)  # [B, H, 1, D]
+    first_update = op.GatherElements(updates, first_idx, axis=2)
+    any4 = op.Unsqueeze(any_valid, op.Constant(value_ints=[1, 3]))  # [B, 1, 1, 1]
+    fill = op.Where(any4, first_update, slot0)
+    valid4 = op.Unsqueeze(valid, op.Constant(value_ints=[1, 3]))  # [B, 1, S, 1]
+    src = op.Where(valid4, updates, fill)  # [B, H, S, D]
+
+    # indices [B, H, S, 3] = (batch_index[b], h, pos[b, s])
+    grid = op.Concat(batch, heads, seq, axis=0)
+    b_idx = op.Expand(op.Unsqueeze(batch_index, op.Constant(value_ints=[2])), grid)
+    h_idx = op.Expand(op.Unsqueeze(h_range, op.Constant(value_ints=[0, 2])), grid)
+    p_idx = op.Expand(op.Unsqueeze(pos, one), grid)
+    indices = op.Concat(op.Unsqueeze(b_idx, three), op.Unsqueeze(h_idx, three), op.Unsqueeze(p_idx, three), axis=3)
+    return op.ScatterND(data, indices, src)
+
+
+@onnxscript.script(qaic_opset, default_opset=op)
+def CtxGatherCB(data: TFloat, batch_index: INT64, ctx_indices: INT64) -> TFloat:
+    """QEfficient's continuous-batching read: data[batch_index[b], h, ctx_indices[b, h, n]]
+    -> [B, H, N, D]."""
+    one = op.Constant(value_ints=[1])
+    three = op.Constant(value_ints=[3])
+    ishape = op.Shape(ctx_indices)  # [B, H, N]
+    heads = op.Slice(ishape, one, op.Constant(value_ints=[2]))
+    h_range = op.Range(
+        op.Constant(value_int=0), op.Squeeze(heads, op.Constant(value_ints=[0])), op.Constant(value_int=1)
+    )
+    b_idx = op.Expand(op.Unsqueeze(batch_index, op.Constant(value_ints=[2])), ishape)
+    h_idx = op.Expand(op.Unsqueeze(h_range, op.Constant(value_ints=[0, 2])), ishape)
+    indices = op.Concat(
+        op.Unsqueeze(b_idx, three), op.Unsqueeze(h_idx, three), op.Unsqueeze(ctx_indices, three), axis=3
+    )
+    return op.GatherND(data, indices)
+
+
 def _schema(name: str, inputs: list[tuple[str, str]], output: str) -> defs.OpSchema:
     return defs.OpSchema(
         name,
@@ -170,6 +247,20 @@ ctx_scatter_node = Op(
 ctx_gather_node = Op(
     qaic_opset, "CtxGather", _schema("CtxGather", [("data", "T"), ("ctx_indices", "tensor(int64)")], "out")
 )
+ctx_scatter_cb_node = Op(
+    qaic_opset,
+    "CtxScatterCB",
+    _schema(
+        "CtxScatterCB",
+        [("data", "T"), ("batch_index", "tensor(int64)"), ("position_ids", "tensor(int64)"), ("updates", "T")],
+        "out",
+    ),
+)
+ctx_gather_cb_node = Op(
+    qaic_opset,
+    "CtxGatherCB",
+    _schema("CtxGatherCB", [("data", "T"), ("batch_index", "tensor(int64)"), ("ctx_indices", "tensor(int64)")], "out"),
+)
 
 
 _SCHEMA = defs.OpSchema(
@@ -188,7 +279,13 @@ _SCHEMA = defs.OpSchema(
 #: Calling this inside a torch.onnx custom translation emits one KVCacheScatter node.
 kv_cache_scatter_node = Op(qaic_opset, "KVCacheScatter", _SCHEMA)
 
-_FUNCTIONS = {"KVCacheScatter": KVCacheScatter, "CtxScatter": CtxScatter, "CtxGather": CtxGather}
+_FUNCTIONS = {
+    "KVCacheScatter": KVCacheScatter,
+    "CtxScatter": CtxScatter,
+    "CtxGather": CtxGather,
+    "CtxScatterCB": CtxScatterCB,
+    "CtxGatherCB": CtxGatherCB,
+}
 
 
 def _translate_kv_cache_scatter(key, value, key_cache, value_cache, slot_mapping):
@@ -204,6 +301,10 @@ TRANSLATIONS = {
     "KVCacheScatter": _translate_kv_cache_scatter,
     "CtxScatter": lambda data, position_ids, updates: ctx_scatter_node(data, position_ids, updates),
     "CtxGather": lambda data, ctx_indices: ctx_gather_node(data, ctx_indices),
+    "CtxScatterCB": lambda data, batch_index, position_ids, updates: ctx_scatter_cb_node(
+        data, batch_index, position_ids, updates
+    ),
+    "CtxGatherCB": lambda data, batch_index, ctx_indices: ctx_gather_cb_node(data, batch_index, ctx_indices),
 }
 
 

@@ -78,6 +78,8 @@ QAIC_OPS: dict[str, QaicOp] = {
         QaicOp("qaic::unified_attention", OpRole.SPLITTING),
         QaicOp("qaic::ctx_scatter", OpRole.KERNEL, onnx_function="CtxScatter"),
         QaicOp("qaic::ctx_gather", OpRole.KERNEL, onnx_function="CtxGather"),
+        QaicOp("qaic::ctx_scatter_cb", OpRole.KERNEL, onnx_function="CtxScatterCB"),
+        QaicOp("qaic::ctx_gather_cb", OpRole.KERNEL, onnx_function="CtxGatherCB"),
         QaicOp("qaic::unified_mla_attention", OpRole.SPLITTING),
     )
 }
