@@ -1871,7 +1871,7 @@ def test_qaic_compile_command_follows_qefficient():
     assert cmd == [
         "/opt/qti-aic/exec/qaic-compile",
         "-aic-hw",
-        "-aic-hw-version=2.0",
+        "-aic-hw-version=ai100",
         "-m=/a/model.onnx",
         "-retained-state",
         "-convert-to-fp16",

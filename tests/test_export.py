@@ -147,7 +147,7 @@ def test_compiler_options_as_pairs_are_the_dict():
         ),
         (
             dict(compiler_options={"aic_binary_dir": "/x", "convert_to_fp16": False}),
-            r"-aic-binary-dir \(set by out_dir\), -convert-to-fp16 \(always set\)",
+            r"-aic-binary-dir \(set by out_dir\), -convert-to-fp16 \(set by convert_to_fp16\)",
         ),
         # a leading dash made --aic-num-cores, past the check above; a string raised dict()'s ValueError
         (dict(compiler_options={"-aic-num-cores": 4}), r"without the leading dash .*got \['-aic-num-cores'\]"),
@@ -298,7 +298,7 @@ def test_compile_command(exported):
     assert cmd[0] == str(qaic_compiler_path())
     assert cmd[1:] == [
         "-aic-hw",
-        "-aic-hw-version=2.0",
+        "-aic-hw-version=ai100",
         f"-m={d / 'model.onnx'}",
         "-retained-state",
         "-convert-to-fp16",
@@ -870,7 +870,9 @@ def test_ort_generate_names_what_it_cannot_feed(tmp_path):
     )
     with pytest.raises(ExportError, match=r"feeds KV caches only; .* also takes \['embed_tokens.vision_embeds'\]"):
         ort_generate(result.onnx_path, PROMPTS, 2, SHAPE["prefill_seq_len"])
-    bf16 = export_for_qaic(hf("llama", 2).to(torch.bfloat16), tmp_path / "b", run_compiler=False, **SHAPE)
+    bf16 = export_for_qaic(
+        hf("llama", 2).to(torch.bfloat16), tmp_path / "b", hw_version="ai200", run_compiler=False, **SHAPE
+    )
     with pytest.raises(ExportError, match="ONNX Runtime cannot load .* lack bfloat16"):
         ort_generate(bf16.onnx_path, PROMPTS, 2, SHAPE["prefill_seq_len"])
     with pytest.raises(ExportError, match="ONNX Runtime cannot load") as e:  # any other failure: no bfloat16 hint
@@ -983,27 +985,19 @@ def test_cli_reports_an_unloadable_model_and_skips_a_validation_that_cannot_fit(
     assert "ctx_len=4096 exceeds the model's max_position_embeddings=2048" in capsys.readouterr().err
 
 
-def test_cli_skips_validating_a_bfloat16_export(tmp_path, capsys):
+def test_cli_validates_a_bfloat16_checkpoint_exported_for_ai100_and_skips_it_for_ai200(tmp_path, capsys):
     from qaic_dynamo.cli import main
 
     hf("llama", 2).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
-    assert (
-        main(
-            [
-                "export",
-                "--model",
-                str(tmp_path / "bf16"),
-                "--out",
-                str(tmp_path / "out"),
-                "--ctx-len",
-                "32",
-                "--prefill-seq-len",
-                "8",
-            ]
-        )
-        == 0
-    )
-    assert "validation        skipped: the model is bfloat16" in capsys.readouterr().out
+    common = ["export", "--model", str(tmp_path / "bf16"), "--ctx-len", "32", "--prefill-seq-len", "8"]
+    assert main([*common, "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "bfloat16 checkpoint exported in float32 for ai100" in out
+    assert "validation        ONNX Runtime greedy tokens == eager PyTorch in float32" in out
+    assert main([*common, "--out", str(tmp_path / "out200"), "--hw", "ai200"]) == 0
+    out = capsys.readouterr().out
+    assert "weights and KV bfloat16" in out
+    assert "validation        skipped: the export is bfloat16 (hw ai200)" in out
     hf("llama", 2).to(torch.float16).save_pretrained(tmp_path / "fp16")  # failed its validation (float32 caches)
     assert (
         main(

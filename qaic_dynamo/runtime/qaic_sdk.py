@@ -18,17 +18,25 @@ from typing import Any
 from qaic_dynamo.config import qaic_compiler_path
 from qaic_dynamo.errors import QaicCompileError
 
-__all__ = ["QAIC_COMPILE_OWN_FLAGS", "extra_flag_problem", "qaic_compile", "qaic_compile_command", "qaic_sdk_available"]
+__all__ = [
+    "HW_VERSIONS",
+    "QAIC_COMPILE_OWN_FLAGS",
+    "extra_flag_problem",
+    "qaic_compile",
+    "qaic_compile_command",
+    "qaic_sdk_available",
+]
 
 
 #: The qaic-compile flags :func:`qaic_compile_command` sets itself, and the argument of
 #: its own that sets each (None: always set as shown).
 QAIC_COMPILE_OWN_FLAGS: dict[str, str | None] = {
     "-aic-hw": None,
-    "-aic-hw-version": None,
+    "-aic-hw-version": "hw_version",
     "-m": None,
     "-retained-state": None,
-    "-convert-to-fp16": None,
+    "-convert-to-fp16": "convert_to_fp16",
+    "-mdp-load-partition-config": "mdp_partition_config",
     "-aic-num-cores": "num_cores",
     "-custom-IO-list-file": "custom_io",
     "-network-specialization-config": "specializations",
@@ -65,6 +73,10 @@ def extra_flag_problem(extra: Any) -> str | None:
     )
 
 
+#: The card generations ``-aic-hw-version`` takes.
+HW_VERSIONS = ("ai100", "ai200")
+
+
 def qaic_compile_command(
     model: Path,
     out_dir: Path,
@@ -73,6 +85,9 @@ def qaic_compile_command(
     specializations: Path | None = None,
     extra: dict[str, Any] | None = None,
     compiler: Path | None = None,
+    hw_version: str = "ai100",
+    convert_to_fp16: bool = True,
+    mdp_partition_config: Path | None = None,
 ) -> list[str]:
     """The ``qaic-compile`` command line for the ONNX ``model`` (QEfficient's conventions);
     the deployment export builds its command here too.
@@ -81,20 +96,28 @@ def qaic_compile_command(
     A flag this command sets itself (:data:`QAIC_COMPILE_OWN_FLAGS`) is refused there: a
     second ``-aic-num-cores`` or ``-aic-binary-dir`` would silently win or lose (see
     :func:`extra_flag_problem`).
-    ``compiler``: default ``$QAIC_COMPILER`` or the SDK's path.
+    ``compiler``: default ``$QAIC_COMPILER`` or the SDK's path. ``hw_version``: the card
+    generation, ``ai100`` or ``ai200``. ``convert_to_fp16``: float32 becomes float16 on
+    the card (not for a bfloat16 model). ``mdp_partition_config``: the tensor-slicing
+    partition of a model over several devices.
     """
     problem = extra_flag_problem(extra if extra is not None else {})
     if problem:
         raise ValueError(problem)
+    if hw_version not in HW_VERSIONS:
+        raise ValueError(f"hw_version must be one of {list(HW_VERSIONS)}, got {hw_version!r}")
     cmd = [
         str(compiler or qaic_compiler_path()),
         "-aic-hw",
-        "-aic-hw-version=2.0",
+        f"-aic-hw-version={hw_version}",
         f"-m={model}",
         "-retained-state",
-        "-convert-to-fp16",
-        f"-aic-num-cores={num_cores}",
     ]
+    if convert_to_fp16:
+        cmd.append("-convert-to-fp16")
+    cmd.append(f"-aic-num-cores={num_cores}")
+    if mdp_partition_config is not None:
+        cmd.append(f"-mdp-load-partition-config={mdp_partition_config}")
     if custom_io is not None:
         cmd.append(f"-custom-IO-list-file={custom_io}")
     if specializations is not None:

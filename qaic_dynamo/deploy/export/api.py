@@ -4,9 +4,11 @@ The torch.compile path runs pieces on the host. A Cloud AI 100 card needs someth
 one model whose KV cache is *retained state* - input ``past_key.{i}``, output
 ``past_key.{i}_RetainedState`` in the layout ``[batch, kv_heads, ctx_len, head_dim]`` -
 with the cache write and read as ``com.qualcomm.cloud`` functions (``CtxScatter``,
-``CtxGather``), plus the compiler's ``custom_io.yaml`` and ``specializations.json``.
-:func:`export_for_qaic` builds it for every model the engine runs (transformers families,
-a local model directory, the reference Llama and MLA models).
+``CtxGather``; ``CtxScatterCB`` / ``CtxGatherCB`` with continuous batching), plus the
+compiler's ``custom_io.yaml`` and ``specializations.json``. :func:`export_for_qaic`
+builds it for every model the engine runs (transformers families, a local model
+directory, the reference Llama and MLA models); :func:`export_prefill_decode` builds the
+prefill-only and decode-only pair of disaggregated serving from one trace.
 
 The export directory is named by a hash of everything that changes the artifact
 (``ExportOptions.compute_hash`` and the model's identity), and the hashed parameters are
@@ -16,43 +18,36 @@ protobuf's 2 GB), so the artifact loads from any working directory.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import shlex
 import subprocess
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import onnx
 import torch
-import torch.nn as nn
 
-from qaic_dynamo.compiler.regions import find_repeated_blocks
 from qaic_dynamo.config import qaic_compiler_path
-from qaic_dynamo.deploy.export.assemble import external_weights, name_dims, whole_model
-from qaic_dynamo.deploy.export.compiler_inputs import compile_command, custom_io_yaml, specializations
-from qaic_dynamo.deploy.export.layerwise import BLOCK_ANNOTATION, layerwise_model
+from qaic_dynamo.deploy.export.assemble import external_weights
+from qaic_dynamo.deploy.export.build import Built, Prepared, build, prepare
+from qaic_dynamo.deploy.export.compiler_inputs import compile_command, custom_io_yaml, mdp_partition_config
 from qaic_dynamo.deploy.export.options import ExportOptions
-from qaic_dynamo.deploy.export.trace import (
-    Trace,
-    block_signature,
-    engine_model_of,
-    model_identity,
-    model_weights,
-    trace_model,
-)
-from qaic_dynamo.errors import BlocksDiffer, ExportError
-from qaic_dynamo.models import batch_dependent_rope, max_positions, max_positions_text
+from qaic_dynamo.deploy.export.specializations import ccl_lengths, specializations
+from qaic_dynamo.errors import ExportError
 
-__all__ = ["DATA_NAME", "ONNX_NAME", "ExportResult", "export_for_qaic"]
+__all__ = ["DATA_NAME", "ONNX_NAME", "ExportPair", "ExportResult", "export_for_qaic", "export_prefill_decode"]
 
 ONNX_NAME = "model.onnx"
 DATA_NAME = "model.onnx.data"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 @dataclass
@@ -72,17 +67,32 @@ class ExportResult:
     compiled: bool
     layerwise: bool
     num_layers: int
-    #: trace, translate (stitch included), weights (writing them), check, total.
+    #: load, identity, trace, translate (stitch included), weights (writing them), check, total.
     seconds: dict[str, float]
     compile_log: Path | None = None
     #: Decoder layers traced (layerwise: 2, or 3 when the first layer differs).
     traced_layers: int = 0
+    #: The options it was built with (the hash's), and the checkpoint's and the export's dtypes.
+    options: ExportOptions = field(default_factory=ExportOptions)
+    source_dtype: str = "float32"
+    dtype: str = "float32"
+    #: The specializations' names, in file order.
+    specialization_names: list[str] = field(default_factory=list)
+    #: Compute-context lengths of the Prefill and Decode specializations (None: no CCL).
+    comp_ctx_lengths_prefill: list[int] | None = None
+    comp_ctx_lengths_decode: list[int] | None = None
+    #: What the summary must say beyond the figures (a dtype changed, an option ignored).
+    notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
+        o = self.options
         lines = [
             f"onnx              {self.onnx_path}",
-            f"custom_io         {self.custom_io_path}",
-            f"specializations   {self.specializations_path}",
+            f"custom_io         {self.custom_io_path}"
+            + ("" if "-custom-IO-list-file" in " ".join(self.compile_command) else " (written, not passed: all bf16)"),
+            f"specializations   {self.specializations_path} ({', '.join(self.specialization_names)})",
+            f"hardware          {o.hw_version}; weights and KV {self.dtype}, logits float32"
+            + (f" (checkpoint {self.source_dtype})" if self.source_dtype != self.dtype else ""),
             f"inputs            {', '.join(self.input_names[:6])}{' ...' if len(self.input_names) > 6 else ''} "
             f"({len(self.input_names)})",
             f"outputs           {', '.join(self.output_names[:5])}{' ...' if len(self.output_names) > 5 else ''} "
@@ -94,8 +104,15 @@ class ExportResult:
                 else "whole model"
             )
             + ")",
-            "seconds           " + ", ".join(f"{k} {v:.2f}" for k, v in self.seconds.items()),
         ]
+        if o.continuous_batching:
+            lines.append(f"batching          continuous: full_batch_size {o.full_batch_size}, batch_index input")
+        if self.comp_ctx_lengths_prefill or self.comp_ctx_lengths_decode:
+            lines.append(
+                f"compute contexts  prefill {self.comp_ctx_lengths_prefill}, decode {self.comp_ctx_lengths_decode}"
+            )
+        lines += [f"note              {n}" for n in self.notes]
+        lines.append("seconds           " + ", ".join(f"{k} {v:.2f}" for k, v in self.seconds.items()))
         if self.compiled:
             lines.append(f"qaic-compile      ran: {self.qpc_dir} (log {self.compile_log})")
         else:
@@ -103,68 +120,32 @@ class ExportResult:
         return "\n".join(lines)
 
 
-def _check_uniform_blocks(path: str, blocks: nn.ModuleList) -> None:
-    """Layerwise export stitches every layer after the first from one traced block, so
-    they must all build the same graph. A model whose later layers differ (alternating
-    sliding windows, a dense layer every k MoE ones, no-RoPE layers) is refused here,
-    naming the first difference, rather than exported with the wrong layers."""
-    if len(blocks) < 3:
-        return
-    ref = block_signature(blocks[1], 1)
-    for i in range(2, len(blocks)):
-        sig = block_signature(blocks[i], i)
-        if sig == ref:
-            continue
-        a, b = next(((a, b) for a, b in zip(ref, sig) if a != b), (ref[-1], sig[-1]))
-        if a[:2] != b[:2]:
-            what = f"module {a[0] or '(block)'} is {a[1]} in layer 1, {b[0] or '(block)'} {b[1]} in layer {i}"
-        elif a[2] != b[2]:
-            d1, d2 = dict(a[2]), dict(b[2])
-            keys = sorted(k for k in d1.keys() | d2.keys() if d1.get(k) != d2.get(k))
-            what = f"{a[0] or 'the block'}: " + ", ".join(
-                f"{k}={d1.get(k)!r} in layer 1, {d2.get(k)!r} in layer {i}" for k in keys
-            )
-        else:
-            what = f"{a[0] or 'the block'}: weights {a[3]} in layer 1, {b[3]} in layer {i}"
-        raise ExportError(
-            f"decoder layer {i} of {path} differs from layer 1 ({what}), so one traced layer "
-            "cannot stand for all of them; export with layerwise=False"
-        )
+@dataclass
+class ExportPair:
+    """What :func:`export_prefill_decode` wrote: the prefill-only and decode-only artifacts
+    of one model file."""
+
+    prefill: ExportResult
+    decode: ExportResult
+    seconds: dict[str, float]
 
 
-@contextlib.contextmanager
-def _first_blocks(model: nn.Module, path: str, n: int) -> Iterator[nn.ModuleList]:
-    """Temporarily leave only the first ``n`` blocks of the list at ``path``, annotated
-    so that the trace marks every node a block creates with its index."""
-    parent_path, _, attr = path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    full = getattr(parent, attr)
-    short = nn.ModuleList(list(full)[:n])
-    stacks: dict[int, contextlib.ExitStack] = {}
-    handles = []
-    for i, block in enumerate(short):
-
-        def pre(mod: nn.Module, args: Any, i: int = i) -> None:
-            stacks[i] = contextlib.ExitStack()
-            stacks[i].enter_context(torch.fx.traceback.annotate({BLOCK_ANNOTATION: i}))
-
-        def post(mod: nn.Module, args: Any, out: Any, i: int = i) -> None:
-            stacks.pop(i).close()
-
-        handles += [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
-    setattr(parent, attr, short)
-    try:
-        yield full
-    finally:
-        setattr(parent, attr, full)
-        for h in handles:
-            h.remove()
-        # A trace that failed inside a block left its annotation open, and the exporter has
-        # already reset the metadata it was in: closed now, it finds nothing to remove (left
-        # to the garbage collector it printed "Exception ignored ... KeyError: 'custom'").
-        for i in sorted(stacks, reverse=True):
-            with contextlib.suppress(KeyError):
-                stacks.pop(i).close()
+def _options(
+    batch_size: int,
+    prefill_seq_len: int,
+    ctx_len: int,
+    kv_cache_prefix: str | None,
+    layerwise: bool,
+    options: dict[str, Any],
+) -> ExportOptions:
+    return ExportOptions.from_options(
+        batch_size=batch_size,
+        prefill_seq_len=prefill_seq_len,
+        ctx_len=ctx_len,
+        kv_cache_prefix=kv_cache_prefix,
+        layerwise=layerwise,
+        **options,
+    )
 
 
 def export_for_qaic(
@@ -184,145 +165,168 @@ def export_for_qaic(
 
     ``model``: what ``LLM`` takes (a transformers causal LM, a local model directory, a
     reference model or its name). ``options``: the rest of :class:`ExportOptions`
-    (``kv_precision``, ``num_cores``, ``compiler_options``, ``retained_buffers``, ``opset``).
+    (``hw_version``, ``full_batch_size``, ``prefill_only``, ``comp_ctx_lengths_prefill`` /
+    ``_decode``, ``kv_precision``, ``num_cores``, ``num_devices``, ``compiler_options``,
+    ``retained_buffers``, ``specializations_format``, ``opset``, ...).
     ``progress(stage, done, total)`` is called as stages advance ("layers" counts the
     decoder layers built). ``run_compiler=False`` never runs qaic-compile (the command is
     still written). Raises ExportError for bad options or a model that cannot be exported.
     """
-    opts = ExportOptions.from_options(
-        batch_size=batch_size,
-        prefill_seq_len=prefill_seq_len,
-        ctx_len=ctx_len,
-        kv_cache_prefix=kv_cache_prefix,
-        layerwise=layerwise,
-        **options,
-    )
-    say = progress or (lambda stage, done, total: None)
     t_start = time.perf_counter()
-    engine_model = engine_model_of(model)
-    positions = max_positions(engine_model)
-    if positions is not None and opts.ctx_len > positions:  # as LLM's max_model_len
-        raise ExportError(
-            f"ctx_len={opts.ctx_len} exceeds the model's {max_positions_text(engine_model)}; "
-            f"pass ctx_len <= {positions}"
+    opts = _options(batch_size, prefill_seq_len, ctx_len, kv_cache_prefix, layerwise, options)
+    say = progress or (lambda stage, done, total: None)
+    prepared = prepare(model, opts)
+    built = build(prepared, opts, say)
+    result = _write(out_dir, opts, prepared, built, say, run_compiler)
+    result.seconds["total"] = time.perf_counter() - t_start
+    return result
+
+
+def export_prefill_decode(
+    model: Any,
+    out_dir: str | os.PathLike,
+    *,
+    batch_size: int = 1,
+    prefill_seq_len: int = 32,
+    ctx_len: int = 128,
+    kv_cache_prefix: str | None = None,
+    layerwise: bool = True,
+    progress: Callable[[str, int, int], None] | None = None,
+    run_compiler: bool = True,
+    **options: Any,
+) -> ExportPair:
+    """The artifacts of disaggregated serving, as QEfficient's ``prefill_only=True`` and
+    ``prefill_only=False`` compiles of one model: ``out_dir/<hash>/model.onnx`` (and its
+    weights) once, with ``prefill/`` (the Prefill specializations) and ``decode/`` (the
+    Decode ones) beside it, each with its own ``specializations.json``, ``custom_io.yaml``
+    and compile command over that one model.
+
+    One trace, one translation and one weights file: the graph does not depend on which
+    specializations it is compiled for. Options as :func:`export_for_qaic`, but
+    ``prefill_only``; give the pair a ``kv_cache_prefix`` to serve both in one process."""
+    if "prefill_only" in options:
+        raise ExportError("export_prefill_decode writes both artifacts; pass prefill_only to export_for_qaic instead")
+    t_start = time.perf_counter()
+    opts = _options(batch_size, prefill_seq_len, ctx_len, kv_cache_prefix, layerwise, options)
+    say = progress or (lambda stage, done, total: None)
+    prepared = prepare(model, opts)
+    built = build(prepared, opts, say)
+    pair_dir = Path(out_dir).expanduser().absolute() / opts.compute_hash(prepared.identity)
+    onnx_path, model_proto, seconds = _write_model(pair_dir, prepared, built, say)
+    results = [
+        _write_compiler_inputs(
+            pair_dir / role,
+            onnx_path,
+            model_proto,
+            opts.replace(prefill_only=only),
+            prepared,
+            built,
+            dict(seconds),
+            say,
+            run_compiler,
         )
-    rope = batch_dependent_rope(engine_model)
-    if rope is not None:
-        # transformers picks these frequencies in Python from the longest position in the
-        # forward (and longrope's from a tensor attribute it swaps): a traced graph would
-        # keep one choice for every sequence.
-        raise ExportError(
-            f"the model's rope_type {rope[0]!r} chooses its RoPE frequencies from the sequence length "
-            "at run time, which an exported graph cannot; export a model with a fixed rope_type "
-            "(default, linear, llama3, yarn), or serve this one with LLM(...)"
-        )
-    layer_names = list(engine_model.kv_cache_layers)
-    shapes = engine_model.kv_cache_shapes(opts.batch_size, opts.ctx_len)
-    past_shapes = [shapes[n] for n in layer_names]
-    dtype = next(engine_model.parameters()).dtype
-    buffers = dict(engine_model.named_buffers())
-    unknown = [n for n in opts.retained_buffers if n not in buffers]
-    if unknown:
-        raise ExportError(f"retained_buffers {unknown} are not buffers of the model; its buffers: {sorted(buffers)}")
-    retained = list(opts.retained_buffers)
-    weights = model_weights(engine_model, exclude=retained)
-    t0 = time.perf_counter()
-    identity = model_identity(engine_model)  # hashes every weight: once
-    digest = opts.compute_hash(identity)
-    seconds_identity = time.perf_counter() - t0
-    export_dir = Path(out_dir).expanduser().absolute() / digest  # compile.sh must run from anywhere
+        for role, only in (("prefill", True), ("decode", False))
+    ]
+    return ExportPair(
+        results[0], results[1], {**prepared.seconds, **built.seconds, **seconds, "total": time.perf_counter() - t_start}
+    )
+
+
+def _write_model(
+    export_dir: Path, prepared: Prepared, built: Built, say: Callable[[str, int, int], None]
+) -> tuple[Path, onnx.ModelProto, dict[str, float]]:
+    """Write the model with its weights as external data into ``export_dir`` and check it."""
     export_dir.mkdir(parents=True, exist_ok=True)
-    seconds: dict[str, float] = {"identity": seconds_identity}  # the weights' hash
-
-    t0 = time.perf_counter()
-    if opts.layerwise:
-        blocks = [(p, lst) for p, lst in find_repeated_blocks(engine_model) if len(lst) == len(layer_names)]
-        if not blocks:
-            raise ExportError(
-                f"{type(engine_model).__name__} has no list of {len(layer_names)} decoder blocks; "
-                "export with layerwise=False"
-            )
-        path, block_list = blocks[0]
-        _check_uniform_blocks(path, block_list)
-        say("trace", 0, 1)
-
-        def trace_first(n: int) -> Trace:
-            t = time.perf_counter()
-            with _first_blocks(engine_model, path, n):
-                out = trace_model(engine_model, layer_names[:n], past_shapes[:n], dtype, opts.opset, retained)
-            seconds["trace"] = seconds.get("trace", 0.0) + time.perf_counter() - t
-            return out
-
-        # Two blocks, which must be one graph once shared sizes are hoisted; if they are
-        # not (a first layer that differs), three, of which the last two must be. Up to
-        # that many layers, the trace is the whole model.
-        L = len(layer_names)
-        trace = trace_first(min(2, L))
-        model_proto = None
-        if L > 2:
-            try:
-                model_proto, outputs = layerwise_model(
-                    trace, path, L, opts.kv_cache_prefix, opts.opset, lambda i: say("layers", i + 1, L)
-                )
-            except BlocksDiffer:
-                trace = trace_first(3)
-        say("trace", 1, 1)
-        if model_proto is None and trace.num_layers == L:
-            model_proto, outputs = whole_model(trace, opts.kv_cache_prefix, opts.opset)
-            say("layers", L, L)
-        elif model_proto is None:
-            model_proto, outputs = layerwise_model(
-                trace, path, L, opts.kv_cache_prefix, opts.opset, lambda i: say("layers", i + 1, L)
-            )
-    else:
-        say("trace", 0, 1)
-        trace = trace_model(engine_model, layer_names, past_shapes, dtype, opts.opset, retained)
-        say("trace", 1, 1)
-        seconds["trace"] = time.perf_counter() - t0
-        model_proto, outputs = whole_model(trace, opts.kv_cache_prefix, opts.opset)
-        say("layers", len(layer_names), len(layer_names))
-    name_dims(model_proto)
-    # Translation and stitching: everything since t0 but the trace(s).
-    seconds["translate"] = time.perf_counter() - t0 - seconds["trace"]
-
+    onnx_path = export_dir / ONNX_NAME
     t0 = time.perf_counter()
     say("weights", 0, 1)
-    onnx_path = export_dir / ONNX_NAME
-    external_weights(model_proto, weights, export_dir / DATA_NAME)
+    model_proto = onnx.ModelProto()
+    model_proto.CopyFrom(built.model)  # the weights are attached to this copy
+    external_weights(model_proto, prepared.weights, export_dir / DATA_NAME)
     onnx.save_model(model_proto, str(onnx_path))
-    seconds["weights"] = time.perf_counter() - t0
+    seconds = {"weights": time.perf_counter() - t0}
     t0 = time.perf_counter()
     try:
         onnx.checker.check_model(str(onnx_path), full_check=True)
     except Exception as e:
         raise ExportError(f"the exported model fails onnx.checker: {e}") from e
     seconds["check"] = time.perf_counter() - t0
+    return onnx_path, model_proto, seconds
+
+
+def _write(
+    out_dir: str | os.PathLike,
+    opts: ExportOptions,
+    prepared: Prepared,
+    built: Built,
+    say: Callable[[str, int, int], None],
+    run_compiler: bool,
+) -> ExportResult:
+    """Write one artifact into ``out_dir/<hash>/``: the model, and what qaic-compile reads."""
+    export_dir = Path(out_dir).expanduser().absolute() / opts.compute_hash(prepared.identity)
+    onnx_path, model_proto, seconds = _write_model(export_dir, prepared, built, say)
+    return _write_compiler_inputs(
+        export_dir,
+        onnx_path,
+        model_proto,
+        opts,
+        prepared,
+        built,
+        {**prepared.seconds, **built.seconds, **seconds},
+        say,
+        run_compiler,
+    )
+
+
+def _write_compiler_inputs(
+    export_dir: Path,
+    onnx_path: Path,
+    model_proto: onnx.ModelProto,
+    opts: ExportOptions,
+    prepared: Prepared,
+    built: Built,
+    seconds: dict[str, float],
+    say: Callable[[str, int, int], None],
+    run_compiler: bool,
+) -> ExportResult:
+    """Write what qaic-compile reads beside ``onnx_path`` into ``export_dir``, and run it
+    where the SDK is installed."""
+    export_dir.mkdir(parents=True, exist_ok=True)
+    precision = prepared.precision
+    digest = opts.compute_hash(prepared.identity)
 
     inputs = [i.name for i in model_proto.graph.input]  # the weights are initializers by now
     custom_io = export_dir / "custom_io.yaml"
     custom_io.write_text(
         custom_io_yaml(
-            outputs, opts.kv_precision, {o.name: o.type.tensor_type.elem_type for o in model_proto.graph.output}
+            built.outputs, precision.kv, {o.name: o.type.tensor_type.elem_type for o in model_proto.graph.output}
         )
     )
     specs_path = export_dir / "specializations.json"
     specs = specializations(opts)
     specs_path.write_text(json.dumps(specs, indent=2) + "\n")
+    names = [s.get("name", f"Graph_{i}") for i, s in enumerate(specs["specializations"])]
+    mdp = None
+    if opts.num_devices > 1:
+        mdp = export_dir / f"mdp_ts_{opts.num_devices}.json"
+        mdp.write_text(json.dumps(mdp_partition_config(opts.num_devices, opts.num_cores), indent=2) + "\n")
+    passed_io = custom_io if precision.pass_custom_io else None
     compiler = qaic_compiler_path()
-    probe = compile_command(onnx_path, Path("qpc"), custom_io, specs_path, opts, compiler)
+    probe = compile_command(onnx_path, Path("qpc"), passed_io, specs_path, opts, precision, compiler, mdp)
     qpc_hash = hashlib.sha256(
         json.dumps(
             {"command": probe, "specializations": specs, "custom_io": custom_io.read_text()}, sort_keys=True
         ).encode()
     ).hexdigest()[:16]
     qpc_dir = export_dir / f"qpc-{qpc_hash}"
-    cmd = compile_command(onnx_path, qpc_dir, custom_io, specs_path, opts, compiler)
+    cmd = compile_command(onnx_path, qpc_dir, passed_io, specs_path, opts, precision, compiler, mdp)
     (export_dir / "export_params.json").write_text(
         json.dumps(
             {
                 "hash": digest,
                 "options": opts.as_dict(),
-                "model": identity,
+                "model": prepared.identity,
+                "dtype": {"checkpoint": _dtype_name(precision.source), "exported": _dtype_name(precision.exported)},
                 "compile": {"hash": qpc_hash, "command": cmd},
             },
             indent=2,
@@ -346,11 +350,11 @@ def export_for_qaic(
             "#!/bin/sh\n# qaic-compile was not found here; run this where the "
             "Qualcomm Cloud AI SDK is installed.\n" + shlex.join(cmd) + "\n"
         )
-    seconds["total"] = time.perf_counter() - t_start
+    prefill_ccl, decode_ccl = ccl_lengths(opts)
     return ExportResult(
         onnx_path,
         inputs,
-        outputs,
+        built.outputs,
         custom_io,
         specs_path,
         cmd,
@@ -358,8 +362,15 @@ def export_for_qaic(
         qpc_dir,
         compiled,
         opts.layerwise,
-        len(layer_names),
+        len(prepared.layer_names),
         seconds,
         log,
-        trace.num_layers if opts.layerwise else len(layer_names),
+        built.traced_layers,
+        opts,
+        _dtype_name(precision.source),
+        _dtype_name(precision.exported),
+        names,
+        prefill_ccl,
+        decode_ccl,
+        list(prepared.notes),
     )

@@ -40,15 +40,20 @@ def io_names(trace: Trace, layers: range, prefix: str | None) -> tuple[list[str]
 
 
 def name_dims(model: onnx.ModelProto) -> None:
-    """Symbolic dims get QEfficient's names: batch_size, seq_len, ctx_len."""
+    """Symbolic dims get QEfficient's names: batch_size, seq_len, ctx_len, and with continuous
+    batching full_batch_size (the KV caches' rows), with CCL comp_ctx_lengths."""
+    inputs = {v.name: v.type.tensor_type.shape.dim for v in model.graph.input}
     rename: dict[str, str] = {}
-    for value in model.graph.input:
-        dims = value.type.tensor_type.shape.dim
-        if value.name == "input_ids":
-            rename[dims[0].dim_param] = "batch_size"
-            rename[dims[1].dim_param] = "seq_len"
-        elif len(dims) == 4 and dims[2].dim_param:
+    ids = inputs["input_ids"]
+    rename[ids[0].dim_param] = "batch_size"
+    rename[ids[1].dim_param] = "seq_len"
+    if "comp_ctx_lengths" in inputs:
+        rename[inputs["comp_ctx_lengths"][0].dim_param] = "comp_ctx_lengths"
+    for dims in inputs.values():
+        if len(dims) == 4 and dims[2].dim_param:
             rename[dims[2].dim_param] = "ctx_len"
+            if dims[0].dim_param and dims[0].dim_param not in rename:  # not batch_size: its own rows
+                rename[dims[0].dim_param] = "full_batch_size"
     for value in [*model.graph.input, *model.graph.output, *model.graph.value_info]:
         for d in value.type.tensor_type.shape.dim:
             if d.dim_param in rename:

@@ -1,5 +1,5 @@
-"""What qaic-compile reads beside the model: ``custom_io.yaml``, ``specializations.json``
-and its command line."""
+"""What qaic-compile reads beside the model: ``custom_io.yaml``, the MDP partition config
+and its command line (``specializations.json``: :mod:`.specializations`)."""
 
 from __future__ import annotations
 
@@ -10,18 +10,12 @@ from typing import Any
 import onnx
 
 from qaic_dynamo.deploy.export.options import KV_PRECISIONS, ExportOptions
+from qaic_dynamo.deploy.export.precision import Precision
 from qaic_dynamo.deploy.naming import align_inputs_to_outputs, is_kv_retained_state
 from qaic_dynamo.errors import ExportError
 from qaic_dynamo.runtime import qaic_compile_command
 
-__all__ = ["compile_command", "custom_io_yaml", "specializations"]
-
-
-# ONNX element types the compiler's custom IO can hold at float16 (-convert-to-fp16 makes
-# every float buffer float16 on the device, so fp32, bf16 and fp64 all map to it).
-_FLOAT_ELEM_TYPES = frozenset(
-    {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
-)
+__all__ = ["compile_command", "custom_io_yaml", "mdp_partition_config"]
 
 
 def custom_io_yaml(
@@ -29,10 +23,11 @@ def custom_io_yaml(
 ) -> str:
     """``custom_io.yaml``: every retained-state output paired with its input.
 
-    KV buffers are at ``precision`` (float16 by default; mxint8 is for the KV only).
-    Other retained buffers (``retained_buffers``, e.g. ``vision_embeds``) keep their own
-    precision, from ``dtypes`` (output name -> ONNX element type): float16 for a float
-    buffer, and no entry for an integer or bool one, whose type the compiler keeps."""
+    KV buffers are at ``precision`` (float16, bfloat16 for a bfloat16 export on ai200, or
+    mxint8). Other retained buffers (``retained_buffers``, e.g. ``vision_embeds``) keep their
+    own precision, from ``dtypes`` (output name -> ONNX element type): float16 for a float
+    buffer (bfloat16 for a bfloat16 one), and no entry for an integer or bool one, whose
+    type the compiler keeps."""
     if precision not in KV_PRECISIONS:
         raise ExportError(f"kv_precision must be one of {KV_PRECISIONS}, got {precision!r}")
     dtypes = dtypes or {}
@@ -46,35 +41,46 @@ def custom_io_yaml(
                 "pass dtypes={name: onnx element type} for every non-KV retained output"
             )
         elif dtypes[out] in _FLOAT_ELEM_TYPES:
-            p = "float16"
+            p = _FLOAT_ELEM_TYPES[dtypes[out]]
         else:
             continue
         lines += [f"- IOName: {inp}", f"  Precision: {p}", "", f"- IOName: {out}", f"  Precision: {p}", ""]
     return "\n".join(lines)
 
 
-def specializations(options: ExportOptions) -> dict[str, Any]:
-    """``specializations.json``: a Prefill and a Decode entry, both at ``batch_size``.
+# ONNX float element types -> their precision on the card (-convert-to-fp16 makes float32
+# and float64 float16; bfloat16 stays bfloat16).
+_FLOAT_ELEM_TYPES = {
+    onnx.TensorProto.FLOAT: "float16",
+    onnx.TensorProto.FLOAT16: "float16",
+    onnx.TensorProto.DOUBLE: "float16",
+    onnx.TensorProto.BFLOAT16: "bfloat16",
+}
 
-    The KV buffers' first dimension is the ``batch_size`` symbol, and a retained-state
-    buffer keeps one shape on the card across specializations: a batch-1 Prefill beside a
-    batch-N Decode would give it two. QEfficient prefills at batch 1 only with continuous
-    batching, where the KV has a ``full_batch_size`` dimension of its own and a
-    ``batch_index`` input picks the row - which this export does not have."""
 
-    def entry(name: str, seq: int) -> dict[str, Any]:
-        return {
-            "name": name,
-            "symbols": {"batch_size": str(options.batch_size), "seq_len": str(seq), "ctx_len": str(options.ctx_len)},
-        }
-
-    return {"specializations": [entry("Prefill", options.prefill_seq_len), entry("Decode", 1)]}
+def mdp_partition_config(num_devices: int, num_cores: int) -> dict[str, Any]:
+    """QEfficient's tensor-slicing MDP partition config: every device in one partition
+    (``Partition0``), connected peer to peer."""
+    return {
+        "connections": [{"devices": list(range(num_devices)), "type": "p2p"}],
+        "partitions": [
+            {"name": "Partition0", "devices": [{"deviceId": d, "numCores": num_cores} for d in range(num_devices)]}
+        ],
+    }
 
 
 def compile_command(
-    onnx_path: Path, qpc_dir: Path, custom_io: Path, specs: Path, options: ExportOptions, compiler: Path | None = None
+    onnx_path: Path,
+    qpc_dir: Path,
+    custom_io: Path | None,
+    specs: Path,
+    options: ExportOptions,
+    precision: Precision,
+    compiler: Path | None = None,
+    mdp_config: Path | None = None,
 ) -> list[str]:
-    """The ``qaic-compile`` command line, as a list: the runtime's (one builder for both)."""
+    """The ``qaic-compile`` command line, as a list: the runtime's (one builder for both).
+    ``custom_io`` None: not passed (a bfloat16 model with bfloat16 KV, as QEfficient)."""
     return qaic_compile_command(
         onnx_path,
         qpc_dir,
@@ -83,4 +89,7 @@ def compile_command(
         specializations=specs,
         extra=dict(options.compiler_options),
         compiler=compiler,
+        hw_version=options.hw_version,
+        convert_to_fp16=precision.convert_to_fp16,
+        mdp_partition_config=mdp_config,
     )

@@ -247,7 +247,8 @@ def layerwise_model(
 
     past_vi = {src[3]: parts[B1].graph.input[m] for m, src in enumerate(srcs[B1]) if src[:2] == ("in", "past")}
     graph_inputs = []
-    for name in ("input_ids", "position_ids"):
+    # input_ids, position_ids, and batch_index / comp_ctx_lengths where the export has them.
+    for name in [src[1] for src in trace.inputs if src[0] == "input"]:
         vi = next(
             (
                 parts[k].graph.input[m]

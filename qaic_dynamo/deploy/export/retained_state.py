@@ -31,15 +31,27 @@ class RetainedStateKV(TorchFunctionMode):
     tokens flattened to ``batch * seq_len`` rows. Updates resolve their layer by name, or
     by call order for ``"from_forward_context"``; attention reads the layer updated last
     (or the one it names). ``updated`` and ``stems`` are filled in per layer.
+
+    Continuous batching (``batch_index`` [batch, 1]): the caches hold ``full_batch_size``
+    rows and the call's sequence ``b`` is row ``batch_index[b]`` (``ctx_scatter_cb`` /
+    ``ctx_gather_cb``). Compute-context length (``comp_ctx_lengths``, a 1-d tensor whose
+    length L is all that counts): attention reads only the first L positions of each
+    cache, the updates still write the full cache.
     """
 
     def __init__(
-        self, layer_names: Sequence[str], past: Sequence[Sequence[torch.Tensor]], position_ids: torch.Tensor
+        self,
+        layer_names: Sequence[str],
+        past: Sequence[Sequence[torch.Tensor]],
+        position_ids: torch.Tensor,
+        batch_index: torch.Tensor | None = None,
+        comp_ctx_lengths: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.layer_names = list(layer_names)
         self.past = [list(p) for p in past]
         self.position_ids = position_ids
+        self.batch_index = batch_index
         self.updated: dict[int, list[torch.Tensor]] = {}
         self.stems: dict[int, tuple[str, ...]] = {}
         self._next = 0
@@ -50,14 +62,17 @@ class RetainedStateKV(TorchFunctionMode):
         # shares rather than one block's outputs that the next block reads.
         caches = [c for p in self.past for c in p]
         ctx = caches[0].shape[2] if caches else 0
+        if comp_ctx_lengths is not None:
+            ctx = comp_ctx_lengths.shape[0]
         self._key_pos = torch.arange(ctx, device=position_ids.device)
         self._pos = position_ids.unsqueeze(-1)  # [B, S, 1]
         self._causal = self._key_pos <= self._pos  # [B, S, C]
-        self._gather_index = {}
+        self._gather_index: dict[Any, torch.Tensor] = {}
+        batch = position_ids.shape[0]  # the call's sequences (the caches may hold more rows)
         for c in caches:
-            b, h, n, _ = c.shape
+            h = c.shape[1]
             if h not in self._gather_index:
-                self._gather_index[h] = torch.arange(n, device=c.device).expand(b, h, n)
+                self._gather_index[h] = torch.arange(ctx, device=c.device).expand(batch, h, ctx)
 
     def _layer(self, name: str, what: str) -> int:
         if name == FROM_FORWARD_CONTEXT:
@@ -99,7 +114,7 @@ class RetainedStateKV(TorchFunctionMode):
             i = self._layer(layer_name, "update")
             self.stems[i] = entry.retained_state
             self.updated[i] = [
-                torch.ops.qaic.ctx_scatter(cache, self.position_ids, self._to_bhsd(new).to(cache.dtype))
+                self._write(cache, self._to_bhsd(new).to(cache.dtype))
                 for cache, new in zip(self.past[i], (first, second))
             ]
             self._last = i
@@ -113,7 +128,17 @@ class RetainedStateKV(TorchFunctionMode):
     def _read(self, i: int) -> list[torch.Tensor]:
         if i not in self.updated:
             raise ExportError(f"layer {self.layer_names[i]!r} attends before its KV cache was updated")
-        return [torch.ops.qaic.ctx_gather(cache, self._gather_index[cache.shape[1]]) for cache in self.updated[i]]
+        index = self._gather_index
+        if self.batch_index is None:
+            return [torch.ops.qaic.ctx_gather(cache, index[cache.shape[1]]) for cache in self.updated[i]]
+        return [
+            torch.ops.qaic.ctx_gather_cb(cache, self.batch_index, index[cache.shape[1]]) for cache in self.updated[i]
+        ]
+
+    def _write(self, cache: torch.Tensor, updates: torch.Tensor) -> torch.Tensor:
+        if self.batch_index is None:
+            return torch.ops.qaic.ctx_scatter(cache, self.position_ids, updates)
+        return torch.ops.qaic.ctx_scatter_cb(cache, self.batch_index, self.position_ids, updates)
 
     def _mask(self, sliding_window: int | None) -> torch.Tensor:
         """[B, 1, S, C]: key slot c is visible to the token at position p iff c <= p (and
@@ -185,20 +210,34 @@ class RetainedStateKV(TorchFunctionMode):
 
 class RetainedStateModel(nn.Module):
     """An engine model in QAIC's retained-state form, a plain ``nn.Module``:
-    ``forward(input_ids [B, S], position_ids [B, S], *past) -> (logits [B, 1, V], *past')``
-    with ``past`` each layer's caches ``[B, heads, ctx_len, dim]`` in layer order. Any
-    tracer that runs Python (make_fx, ``torch.export`` non-strict) sees ``ctx_scatter`` /
-    ``ctx_gather`` and plain attention math instead of the paged ops; the export traces it,
-    and ``benchmarks/export.py`` hands it to ``torch.onnx.export`` for comparison."""
+    ``forward(input_ids [B, S], position_ids [B, S], [batch_index [B, 1]],
+    [comp_ctx_lengths [L]], *past) -> (logits [B, 1, V] float32, *past')`` with ``past`` each
+    layer's caches ``[B, heads, ctx_len, dim]`` (``[full_batch_size, ...]`` with continuous
+    batching) in layer order. Any tracer that runs Python (make_fx, ``torch.export``
+    non-strict) sees ``ctx_scatter`` / ``ctx_gather`` and plain attention math instead of the
+    paged ops; the export traces it, and ``benchmarks/export.py`` hands it to
+    ``torch.onnx.export`` for comparison."""
 
-    def __init__(self, model: nn.Module, caches_per_layer: Sequence[int]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        caches_per_layer: Sequence[int],
+        continuous_batching: bool = False,
+        compute_context_lengths: bool = False,
+    ) -> None:
         super().__init__()
         self.model = model
         self.caches_per_layer = list(caches_per_layer)
+        self.continuous_batching = continuous_batching
+        self.compute_context_lengths = compute_context_lengths
         #: The stems each layer's update op declared in the last forward.
         self.stems: dict[int, tuple[str, ...]] = {}
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *flat_past: torch.Tensor) -> tuple:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *rest: torch.Tensor) -> tuple:
+        batch_index = rest[0] if self.continuous_batching else None
+        rest = rest[1:] if self.continuous_batching else rest
+        comp_ctx_lengths = rest[0] if self.compute_context_lengths else None
+        flat_past = rest[1:] if self.compute_context_lengths else rest
         past, k = [], 0
         for n in self.caches_per_layer:
             past.append(list(flat_past[k : k + n]))
@@ -206,9 +245,12 @@ class RetainedStateModel(nn.Module):
         b, s = input_ids.shape
         # The logits row of each sequence: its last real token (the highest position).
         last = position_ids.argmax(dim=1) + torch.arange(b, device=input_ids.device) * s
-        with RetainedStateKV(list(self.model.kv_cache_layers)[: len(past)], past, position_ids) as mode:
+        layers = list(self.model.kv_cache_layers)[: len(past)]
+        with RetainedStateKV(layers, past, position_ids, batch_index, comp_ctx_lengths) as mode:
             logits = self.model(input_ids.reshape(-1), position_ids.reshape(-1), last)
         self.stems = mode.stems
         if len(mode.updated) != len(past):
             raise ExportError(f"the model updated {len(mode.updated)} of its {len(past)} KV caches in one forward")
-        return (logits.unsqueeze(1), *[t for i in range(len(past)) for t in mode.updated[i]])
+        # float32 logits whatever the model's dtype, as QEfficient's models return them: the
+        # card's runtime reads them into a float32 buffer.
+        return (logits.float().unsqueeze(1), *[t for i in range(len(past)) for t in mode.updated[i]])

@@ -36,9 +36,11 @@ __all__ = [
 INDEX_ATTRS = ("layer_idx", "layer_id", "layer_index", "layer_number", "idx")
 
 
-def engine_model_of(model: Any) -> nn.Module:
+def engine_model_of(model: Any, dtype: torch.dtype | None = None) -> nn.Module:
+    """The engine form of ``model`` (what ``LLM`` runs), in ``dtype`` if given (a copy of its
+    weights; the model given is left alone)."""
     try:
-        m = load_model(model)
+        m = load_model(model, dtype=dtype)
     except (TypeError, FileNotFoundError, NotImplementedError) as e:  # not a model, or one the qaic ops cannot run
         raise ExportError(str(e).replace("LLM:", "export_for_qaic:")) from e
     return m.eval()
@@ -92,36 +94,57 @@ def trace_model(
     dtype: torch.dtype,
     opset: int,
     retained: Sequence[str] = (),
+    continuous_batching: bool = False,
+    compute_context_lengths: bool = False,
 ) -> Trace:
-    """Trace ``model`` (the engine form) as input_ids, position_ids, past..., retained
-    buffers..., weights -> logits [B, 1, V], updated past..., retained buffers... through
-    the lowering's direct path."""
+    """Trace ``model`` (the engine form) as input_ids, position_ids, [batch_index],
+    [comp_ctx_lengths], past..., retained buffers..., weights -> logits [B, 1, V], updated
+    past..., retained buffers... through the lowering's direct path."""
     weights = model_weights(model, exclude=retained)
     buffers = dict(model.named_buffers())
     weight_names = list(weights)
     past_spec = [(i, j) for i, shapes in enumerate(past_shapes) for j in range(len(shapes))]
-    wrapper = RetainedStateModel(model, [len(shapes) for shapes in past_shapes])
+    wrapper = RetainedStateModel(
+        model, [len(shapes) for shapes in past_shapes], continuous_batching, compute_context_lengths
+    )
+    extra_inputs = ["batch_index"] * continuous_batching + ["comp_ctx_lengths"] * compute_context_lengths
 
     def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, *rest: torch.Tensor):
+        extra, rest = rest[: len(extra_inputs)], rest[len(extra_inputs) :]
         n_past = len(past_spec)
         flat_past, kept, params = rest[:n_past], rest[n_past : n_past + len(retained)], rest[n_past + len(retained) :]
         tensors = {f"model.{k}": v for k, v in zip(weight_names, params)}
         tensors.update((f"model.{k}", v) for k, v in zip(retained, kept))
-        out = torch.func.functional_call(wrapper, tensors, (input_ids, position_ids, *flat_past))
+        out = torch.func.functional_call(wrapper, tensors, (input_ids, position_ids, *extra, *flat_past))
         # A retained buffer leaves as its value after the step (a copy: an ONNX output
         # must be a value of its own, not the input).
         return (*out, *[tensors[f"model.{name}"].clone() for name in retained])
 
-    batch, seq, ctx = 3, 5, 17  # distinct, not 0/1: every one stays a symbol
+    # Distinct and not 0/1, so that every one stays a symbol of its own.
+    batch, seq, ctx, full_batch, ccl = 3, 5, 17, 7, 11
+    rows = full_batch if continuous_batching else batch
     ex_ids = torch.zeros(batch, seq, dtype=torch.long)
     ex_pos = torch.arange(seq).repeat(batch, 1)
+    ex_extra = {
+        "batch_index": torch.arange(batch).reshape(batch, 1),
+        "comp_ctx_lengths": torch.zeros(ccl, dtype=torch.long),
+    }
+    dims_extra = {"batch_index": {0: "batch_size"}, "comp_ctx_lengths": {0: "comp_ctx_lengths"}}
     ex_past = [
-        torch.zeros((batch, *shape[1:2], ctx, *shape[3:]), dtype=dtype) for shapes in past_shapes for shape in shapes
+        torch.zeros((rows, *shape[1:2], ctx, *shape[3:]), dtype=dtype) for shapes in past_shapes for shape in shapes
     ]
-    example = [ex_ids, ex_pos, *ex_past, *[buffers[n].detach() for n in retained], *weights.values()]
+    example = [
+        ex_ids,
+        ex_pos,
+        *(ex_extra[n] for n in extra_inputs),
+        *ex_past,
+        *[buffers[n].detach() for n in retained],
+        *weights.values(),
+    ]
     dynamic = (
         [{0: "batch_size", 1: "seq_len"}] * 2
-        + [{0: "batch_size", 2: "ctx_len"}] * len(ex_past)
+        + [dims_extra[n] for n in extra_inputs]
+        + [{0: "full_batch_size" if continuous_batching else "batch_size", 2: "ctx_len"}] * len(ex_past)
         + [None] * (len(retained) + len(weights))
     )
     try:
@@ -134,6 +157,7 @@ def trace_model(
         raise ExportError(f"the model could not be traced for export: {type(e).__name__}: {first}") from e
     inputs = (
         [("input", "input_ids"), ("input", "position_ids")]
+        + [("input", n) for n in extra_inputs]
         + [("past", i, j) for i, j in past_spec]
         + [("retained", n) for n in retained]
         + [("weight", n) for n in weight_names]
