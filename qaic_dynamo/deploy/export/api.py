@@ -324,6 +324,7 @@ def _write_compiler_inputs(
         json.dumps(
             {
                 "hash": digest,
+                "onnx": os.path.relpath(onnx_path, export_dir),
                 "options": opts.as_dict(),
                 "model": prepared.identity,
                 "dtype": {"checkpoint": _dtype_name(precision.source), "exported": _dtype_name(precision.exported)},
