@@ -117,3 +117,21 @@ def piece_call_costs(runner: Any, args: tuple, ctx: Any, repeats: int) -> tuple[
     t_eager = median_seconds(call_eager, repeats)
     del kept
     return t_runner, t_bare, t_eager
+
+
+def demo_llama(layers: int, hidden: int, vocab: int, **overrides: Any) -> torch.nn.Module:
+    """The demo's Llama architecture (transformers, random weights) at ``layers`` layers,
+    ``hidden`` wide (intermediate 11/4 of it) with ``vocab`` tokens; ``overrides`` set
+    other config fields."""
+    from qaic_dynamo.demo import DEFAULT_LLAMA
+    from qaic_dynamo.models import hf_config, hf_model_from_config
+
+    cfg = dict(
+        DEFAULT_LLAMA,
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        intermediate_size=hidden * 11 // 4,
+        **overrides,
+    )
+    return hf_model_from_config(hf_config(cfg))

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import markdown_table, median_seconds, piece_call_costs, save_results  # noqa: E402
+from common import demo_llama, markdown_table, median_seconds, piece_call_costs, save_results  # noqa: E402
 
 CONTEXT = 128
 
@@ -46,20 +46,6 @@ BACKENDS = {
     "eager": dict(backend="eager"),
     "inductor": dict(backend="inductor"),
 }
-
-
-def build(layers: int, hidden: int, vocab: int):
-    from qaic_dynamo.demo import DEFAULT_LLAMA
-    from qaic_dynamo.models import hf_config, hf_model_from_config
-
-    cfg = dict(
-        DEFAULT_LLAMA,
-        num_hidden_layers=layers,
-        hidden_size=hidden,
-        vocab_size=vocab,
-        intermediate_size=hidden * 11 // 4,
-    )
-    return hf_model_from_config(hf_config(cfg))
 
 
 @contextlib.contextmanager
@@ -110,7 +96,7 @@ def main() -> None:
     layers, hidden, vocab, repeats = args.layers, args.hidden_size, args.vocab, args.repeats
     if args.quick:
         layers, hidden, vocab, repeats = 2, 64, 512, 2
-    model = build(layers, hidden, vocab)
+    model = demo_llama(layers, hidden, vocab)
     cases = [("prefill b1x128", "prefill", 1), ("decode b1", "decode", 1), ("decode b8", "decode", 8)]
     print(
         f"model: {layers} layers, hidden {hidden}, vocab {vocab}; median of {repeats} interleaved timing rounds",

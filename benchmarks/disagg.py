@@ -6,6 +6,9 @@
   gloo      DisaggregatedServer(transport="gloo"): the slot is sent over torch.distributed
             (loopback here; the transport for prefill and decode on different hosts)
   colocated one LLM doing prefill and decode in one process (LLM.generate)
+  exported  DisaggregatedServer.from_export: the prefill-only and decode-only artifacts of
+            export_prefill_decode (continuous batching, --slots rows, prefill_seq_len 64)
+            on ONNX Runtime, slicing over shared memory; exported once before the clock
 
 The workload: --requests requests (prompt lengths 1-200, 1-16 new tokens, fixed seed),
 more than the decode slots. For each: time to first token (median, p90; for colocated,
@@ -21,27 +24,14 @@ import argparse
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import markdown_table, save_results  # noqa: E402
+from common import demo_llama, markdown_table, save_results  # noqa: E402
 
-METHODS = ["slicing", "copying", "gloo", "colocated"]
-
-
-def build(layers: int, hidden: int, vocab: int):
-    from qaic_dynamo.demo import DEFAULT_LLAMA
-    from qaic_dynamo.models import hf_config, hf_model_from_config
-
-    cfg = dict(
-        DEFAULT_LLAMA,
-        num_hidden_layers=layers,
-        hidden_size=hidden,
-        vocab_size=vocab,
-        intermediate_size=hidden * 11 // 4,
-    )
-    return hf_model_from_config(hf_config(cfg))
+METHODS = ["slicing", "copying", "gloo", "colocated", "exported"]
 
 
 def workload(n: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
@@ -101,6 +91,27 @@ def disaggregated(model, prompts, max_tokens, slots: int, ctx: int, backend: str
     return summarize(results)
 
 
+def export_pair(model, slots: int, ctx: int, out: Path) -> Path:
+    from qaic_dynamo.deploy.export import export_prefill_decode
+
+    pair = export_prefill_decode(
+        model, out, full_batch_size=slots, prefill_seq_len=64, ctx_len=ctx, kv_cache_prefix="kv", run_compiler=False
+    )
+    return pair.prefill.export_dir.parent
+
+
+def served_export(pair_dir: Path, prompts, max_tokens) -> dict:
+    from qaic_dynamo.deploy.serving import DisaggregatedServer, summarize
+
+    with DisaggregatedServer.from_export(pair_dir) as server:
+        server.generate([prompts[0][:4]], 2)  # the same warm-up as the engine-served methods
+        results = server.generate(prompts, max_tokens)
+        for r in results:
+            if r.error:
+                raise RuntimeError(r.error)
+    return summarize(results)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model, 8 requests, one repeat (tests)")
@@ -117,12 +128,16 @@ def main() -> None:
     if args.quick:
         args.requests, args.layers, args.hidden_size, args.vocab, args.repeats = 8, 2, 64, 512, 1
     ctx = 256
-    model = build(args.layers, args.hidden_size, args.vocab)
+    model = demo_llama(args.layers, args.hidden_size, args.vocab)
     prompts, max_tokens = workload(args.requests, args.vocab)
     runs: dict[str, list[dict]] = {m: [] for m in args.methods}
+    tmp = tempfile.TemporaryDirectory(prefix="qaic-disagg-")
+    pair_dir = export_pair(model, args.slots, ctx, Path(tmp.name)) if "exported" in args.methods else None
     for rep in range(args.repeats):
         for m in args.methods:
-            if m == "colocated":
+            if m == "exported":
+                r = served_export(pair_dir, prompts, max_tokens)
+            elif m == "colocated":
                 r = colocated(model, prompts, max_tokens, args.slots, ctx, args.backend)
             else:
                 transport = {"slicing": "shm", "copying": "copy", "gloo": "gloo"}[m]
@@ -149,7 +164,8 @@ def main() -> None:
     ]
     md = (
         f"### Disaggregated serving ({args.requests} requests, prompts 1-200 tokens, {args.slots} decode slots, "
-        f"{args.layers}-layer Llama hidden {args.hidden_size}, backend {args.backend}; median of {args.repeats})\n\n"
+        f"{args.layers}-layer Llama hidden {args.hidden_size}, backend {args.backend} (exported: ONNX Runtime); "
+        f"median of {args.repeats})\n\n"
         + markdown_table(
             ["method", "TTFT median (ms)", "TTFT p90 (ms)", "decode tokens/s", "KV bytes moved per hand-off"], rows
         )

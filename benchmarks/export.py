@@ -12,12 +12,18 @@ data). Methods:
              lowering (trace and translation linear in depth)
   direct     torch.onnx.export(RetainedStateModel(model), dynamo=True) with the qaic
              translations, then saved with external data: what a plain exporter pays
+  cb         export_for_qaic(full_batch_size=4): the continuous-batching artifact
+  pair       export_prefill_decode: the prefill-only and decode-only artifacts of
+             disaggregated serving from one trace and one model file
+  separate   export_for_qaic(prefill_only=True) then export_for_qaic(prefill_only=False):
+             the pair as two full exports
 
 Each figure is split into export (trace + translation/stitching + checks) and writing
 the weights, which no method can avoid and which grows with the parameter count. Medians
 of --repeats processes. Targets (issue 11):
   layerwise(32) / layerwise(2) <= 1.5   (export time, weights reported separately)
   direct(32) / layerwise(32)   >= 10    (total time)
+  pair(L) / layerwise(L)       <= 1.3   (total time, issue 37; separate(L) is the alternative)
 
     python benchmarks/export.py [--quick] [--repeats 3] [--layers 2 8 32]
 """
@@ -34,47 +40,32 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import markdown_table, save_results  # noqa: E402
+from common import demo_llama, markdown_table, save_results  # noqa: E402
 
-METHODS = ["layerwise", "whole", "direct"]
-
-
-def build(layers: int, hidden: int, vocab: int):
-    from qaic_dynamo.demo import DEFAULT_LLAMA
-    from qaic_dynamo.models import hf_config, hf_model_from_config
-
-    cfg = dict(
-        DEFAULT_LLAMA,
-        num_hidden_layers=layers,
-        hidden_size=hidden,
-        vocab_size=vocab,
-        intermediate_size=hidden * 11 // 4,
-    )
-    return hf_model_from_config(hf_config(cfg))
+METHODS = ["layerwise", "whole", "direct", "cb", "pair", "separate"]
 
 
 def child(method: str, layers: int, hidden: int, vocab: int, out: Path) -> dict:
     import torch
 
-    model = build(layers, hidden, vocab)
-    if method in ("layerwise", "whole"):
-        from qaic_dynamo.deploy.export import export_for_qaic
+    model = demo_llama(layers, hidden, vocab)
+    if method in ("layerwise", "whole", "cb", "pair", "separate"):
+        from qaic_dynamo.deploy.export import export_for_qaic, export_prefill_decode
 
+        common = dict(batch_size=1, prefill_seq_len=32, ctx_len=128, run_compiler=False)
         t0 = time.perf_counter()
-        r = export_for_qaic(
-            model,
-            out,
-            batch_size=1,
-            prefill_seq_len=32,
-            ctx_len=128,
-            layerwise=(method == "layerwise"),
-            run_compiler=False,
-        )
+        if method == "pair":
+            runs = [export_prefill_decode(model, out, **common).seconds]
+        elif method == "separate":
+            runs = [export_for_qaic(model, out, prefill_only=only, **common).seconds for only in (True, False)]
+        else:
+            extra = {"full_batch_size": 4} if method == "cb" else {"layerwise": method != "whole"}
+            runs = [export_for_qaic(model, out, **common, **extra).seconds]
         total = time.perf_counter() - t0
         # Weight-proportional work, kept out of the export's own time: writing the weights
         # and hashing them (the export directory is named by a hash of every byte).
-        weights = r.seconds["weights"] + r.seconds.get("identity", 0.0)
-        return {"total_s": total, "weights_s": weights, "export_s": total - weights, "seconds": r.seconds}
+        weights = sum(r["weights"] + r.get("identity", 0.0) for r in runs)
+        return {"total_s": total, "weights_s": weights, "export_s": total - weights, "seconds": runs}
 
     import onnx
 
@@ -229,6 +220,17 @@ def main() -> None:
         lines.append(
             f"whole({hi})/layerwise({hi}) export time = "
             f"{med['whole'][hi]['export_s'] / med['layerwise'][hi]['export_s']:.1f}"
+        )
+    if "layerwise" in med and "pair" in med:
+        for L in args.layers:
+            pair = med["pair"][L]["total_s"] / med["layerwise"][L]["total_s"]
+            line = f"pair({L})/layerwise({L}) total time = {pair:.2f} (target <= 1.3: {'met' if pair <= 1.3 else 'MISSED'})"
+            if "separate" in med:
+                line += f"; separate({L})/layerwise({L}) = {med['separate'][L]['total_s'] / med['layerwise'][L]['total_s']:.2f}"
+            lines.append(line)
+    if "layerwise" in med and "cb" in med:
+        lines.append(
+            f"cb({hi})/layerwise({hi}) total time = {med['cb'][hi]['total_s'] / med['layerwise'][hi]['total_s']:.2f}"
         )
     md += "\n" + "\n".join(lines) + "\n"
     print("\n" + md)

@@ -447,3 +447,27 @@ def test_cli_refuses_an_unknown_hw_version(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["export", "--out", str(tmp_path), "--hw", "ai300"])
     assert e.value.code == 2 and "invalid choice: 'ai300'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["llama-layerwise", "llama-whole", "mla"])
+def test_splits_export_as_split_nodes_not_sequences(kind, tmp_path):
+    """onnxscript lowers split / chunk to SplitToSequence + SequenceAt: a sequence-typed
+    graph, which onnx's checker refuses in bfloat16 and QEfficient's models never hold."""
+    model = mla(3) if kind == "mla" else llama(3)
+    result = export_for_qaic(
+        model, tmp_path, layerwise=kind != "llama-whole", prefill_seq_len=8, ctx_len=32, run_compiler=False
+    )
+    ops = {n.op_type for n in onnx.load(str(result.onnx_path), load_external_data=False).graph.node}
+    assert "Split" in ops and not ops & {"SplitToSequence", "SequenceAt"}, sorted(ops)
+    prompt = prompts(1)[0]
+    tokens, _ = ort_generate(result.onnx_path, [prompt], 4, 8)
+    assert tokens == LLM(model, "eager").generate([prompt], 4)
+
+
+def test_the_reference_llama_in_bfloat16_exports_for_ai200(tmp_path):
+    # Its fused q/k/v and gate/up projections are split: as sequences, onnx's checker
+    # refused the bfloat16 model.
+    result = export_for_qaic(
+        llama(2).to(torch.bfloat16), tmp_path, hw_version="ai200", prefill_seq_len=8, ctx_len=32, run_compiler=False
+    )
+    assert _float_types(result) == {"kv": onnx.TensorProto.BFLOAT16, "logits": onnx.TensorProto.FLOAT}

@@ -181,26 +181,18 @@ def test_a_prefill_session_is_told_its_slot():
 # Prefill and decode in one process over page-protected buffers: before each request the
 # other slot's pages are made read-only (mprotect), as that slot belongs to another
 # process's run. Any write there, whole-buffer or stray, kills the process with SIGSEGV.
-SLOT_GUARD = """
-import ctypes, json, mmap, sys
-import torch
-from qaic_dynamo.engine import Request
-from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM
-from qaic_dynamo.deploy.serving import Session
-
-torch.manual_seed(0)
-model = QaicLlamaForCausalLM(QaicLlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                             num_attention_heads=4, num_key_value_heads=2, vocab_size=256)).eval()
+#: The body both slot guards share: given ``prefill``, ``decode_step(req)``, ``shapes`` (the
+#: buffers' names and shapes) and ``chunk``, it serves a request in each of two slots
+#: while the other slot is read-only, and prints their tokens.
+SLOT_GUARD_BODY = """
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-backend, control = sys.argv[1], sys.argv[2] == "control"
-prefill = Session(model, "prefill", num_slots=2, ctx_len=256, backend=backend)
-decode = Session(model, "decode", num_slots=2, ctx_len=256, backend=backend)
 maps, bufs = [], {}
-for name, shape in prefill.buffer_shapes.items():
+for name, shape in shapes.items():
     maps.append(mmap.mmap(-1, torch.Size(shape).numel() * 4))
     bufs[name] = torch.frombuffer(maps[-1], dtype=torch.float32).view(shape)
-slot_bytes = bufs["past_key.0"][0].numel() * 4
+first = next(iter(bufs))
+slot_bytes = bufs[first][0].numel() * 4
 assert slot_bytes % mmap.PAGESIZE == 0, slot_bytes
 
 def read_only(slot, yes):
@@ -215,18 +207,37 @@ for slot, prompt in ((0, list(range(3, 40))), (1, list(range(50, 61)))):
     prefill.execution_slots[0].request = type("Job", (), {"request_id": slot, "prompt": prompt})()
     done = []
     while not done:
-        done = prefill.run_prefill_chunks(chunk_size=16)
+        done = prefill.run_prefill_chunks(chunk_size=chunk)
     prefill.execution_slots[0].request = None
     req = Request(slot, prompt, 4, output_token_ids=[done[0][1]], block_ids=[slot], num_computed_tokens=len(prompt))
     for _ in range(3):
         req.num_computed_tokens = req.num_tokens - 1
-        req.output_token_ids.append(int(decode.llm.execute_model([req])[0].argmax()))
+        req.output_token_ids.append(int(decode.decode([req])[0].argmax()))
     if control:
-        bufs["past_key.0"][1 - slot].fill_(1.0)
+        bufs[first][1 - slot].fill_(1.0)
     read_only(1 - slot, False)
     out.append(req.output_token_ids)
 print(json.dumps(out))
 """
+
+SLOT_GUARD = (
+    """
+import ctypes, json, mmap, sys
+import torch
+from qaic_dynamo.engine import Request
+from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM
+from qaic_dynamo.deploy.serving import Session
+
+torch.manual_seed(0)
+model = QaicLlamaForCausalLM(QaicLlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                             num_attention_heads=4, num_key_value_heads=2, vocab_size=256)).eval()
+backend, control = sys.argv[1], sys.argv[2] == "control"
+prefill = Session(model, "prefill", num_slots=2, ctx_len=256, backend=backend)
+decode = Session(model, "decode", num_slots=2, ctx_len=256, backend=backend)
+shapes, chunk = prefill.buffer_shapes, 16
+"""
+    + SLOT_GUARD_BODY
+)
 
 
 @pytest.mark.parametrize("backend", ["qaic", "control"])
@@ -284,34 +295,44 @@ def test_copying_and_gloo_transports_give_the_same_tokens_and_count_bytes(transp
     assert all(r.kv_bytes_moved == slot_bytes for r in results)
 
 
+def generate_killing_prefill(server, prompts, max_tokens, after: float = 0.3):
+    """``server.generate``, with the prefill worker SIGKILLed ``after`` seconds once two
+    requests have their first token (prompt 2, the long one, is then mid-prefill)."""
+
+    def killer():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if sum(r.ttft is not None for r in server.results.values()) >= 2:
+                time.sleep(after)
+                os.kill(server.prefill_pid, signal.SIGKILL)
+                return
+            time.sleep(0.01)
+
+    t = threading.Thread(target=killer)
+    t.start()
+    results = server.generate(prompts, max_tokens)
+    t.join()
+    return results
+
+
+def assert_only_the_prefilling_request_failed(model, results, prompts, max_tokens):
+    assert results[2].error is not None and "prefill worker died (exit code -9)" in results[2].error
+    want = eager_tokens(model, prompts, max_tokens)
+    for i in (0, 1, 3, 4):  # the decoding ones kept going; the queued ones went to the new worker
+        assert results[i].error is None and results[i].token_ids == want[i], i
+
+
 def test_killing_the_prefill_worker_fails_its_request_and_decode_serves_the_rest():
     model = llama(2)
+    # Two short requests decode for long; the 180-token prompt takes 23 chunks of 8, 50 ms each.
     prompts = [[7] * 5, [8] * 6, [9] * 180, [10] * 4, [11] * 3]
     max_tokens = [40, 40, 4, 4, 4]
     with DisaggregatedServer(
         model, decode_slots=4, ctx_len=CTX, chunk_size=8, backend="eager", chunk_delay=0.05
     ) as server:
-
-        def killer():
-            # Two short requests are decoding; the 180-token prompt is mid-prefill
-            # (23 chunks of 8, 50 ms each).
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                if sum(r.ttft is not None for r in server.results.values()) >= 2:
-                    time.sleep(0.3)
-                    os.kill(server.prefill_pid, signal.SIGKILL)
-                    return
-                time.sleep(0.01)
-
-        t = threading.Thread(target=killer)
-        t.start()
-        results = server.generate(prompts, max_tokens)
-        t.join()
+        results = generate_killing_prefill(server, prompts, max_tokens)
         assert server.restarts == 1
-    assert results[2].error is not None and "prefill worker died (exit code -9)" in results[2].error
-    want = eager_tokens(model, prompts, max_tokens)
-    for i in (0, 1, 3, 4):  # the decoding ones kept going; the queued ones went to the new worker
-        assert results[i].error is None and results[i].token_ids == want[i], i
+    assert_only_the_prefilling_request_failed(model, results, prompts, max_tokens)
 
 
 def test_an_exception_inside_the_server_still_unlinks_shared_memory():

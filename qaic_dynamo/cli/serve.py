@@ -1,4 +1,6 @@
-"""``qaic-dynamo serve-disagg``: serve a prompt file with disaggregated prefill and decode."""
+"""``qaic-dynamo serve-disagg``: serve a prompt file with disaggregated prefill and decode,
+from a model (two compiled engines) or from exported artifacts (``--export-dir``, on ONNX
+Runtime)."""
 
 from __future__ import annotations
 
@@ -15,8 +17,15 @@ __all__ = ["add_serve_arguments", "serve_command"]
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
-        default="llama",
-        help="llama | qwen2 | mistral | mla (built-in configs, random weights) or a local model directory",
+        default=None,
+        help="llama | qwen2 | mistral | mla (built-in configs, random weights) or a local model directory "
+        "(default llama)",
+    )
+    p.add_argument(
+        "--export-dir",
+        default=None,
+        help="serve exported artifacts instead: the pair directory of `qaic-dynamo export --disagg` (prefill/ "
+        "and decode/ inside) or one export; its specializations fix the decode slots, ctx_len and chunk size",
     )
     p.add_argument(
         "--prompts", required=True, help="a file with one prompt per line, as whitespace-separated token ids"
@@ -30,12 +39,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--decode-slots", type=int, default=4)
-    p.add_argument("--ctx-len", type=int, default=256)
-    p.add_argument("--chunk-size", type=int, default=64, help="prefill chunk size")
+    p.add_argument("--decode-slots", type=int, default=None, help="default 4 (an export: its own)")
+    p.add_argument("--ctx-len", type=int, default=None, help="default 256 (an export: its own)")
+    p.add_argument("--chunk-size", type=int, default=None, help="prefill chunk size, default 64 (an export: its own)")
     p.add_argument("--transport", choices=["shm", "copy", "gloo"], default="shm")
     p.add_argument("--kv-cache-prefix", default=None)
-    p.add_argument("--backend", choices=["qaic", "eager"], default="qaic")
+    p.add_argument("--backend", choices=["qaic", "eager"], default=None, help="default qaic (not with --export-dir)")
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -56,24 +65,53 @@ def serve_command(args: argparse.Namespace) -> int:
     if not prompts:
         print(f"qaic-dynamo serve-disagg: {args.prompts} holds no prompt", file=sys.stderr)
         return 2
-    model = model_arg(args)
-    if model is None:
-        return 2
-    print(
-        f"starting prefill and decode workers ({args.transport} hand-off, {args.decode_slots} decode slots, "
-        f"ctx_len {args.ctx_len}, backend {args.backend})",
-        flush=True,
+    options = dict(
+        decode_slots=args.decode_slots,
+        ctx_len=args.ctx_len,
+        chunk_size=args.chunk_size,
+        transport=args.transport,
+        kv_cache_prefix=args.kv_cache_prefix,
     )
+    if args.export_dir is not None:
+        given = [
+            f
+            for f, v in (
+                ("--model", args.model),
+                ("--layers", args.layers),
+                ("--hidden-size", args.hidden_size),
+                ("--backend", args.backend),
+            )
+            if v is not None
+        ]
+        if given:
+            print(
+                f"qaic-dynamo serve-disagg: {', '.join(given)} describe a model to compile; --export-dir serves the "
+                "exported one, so drop them",
+                file=sys.stderr,
+            )
+            return 2
+        from qaic_dynamo.deploy.serving import ExportedModel
+        from qaic_dynamo.errors import ExportError
+
+        try:
+            model = ExportedModel(args.export_dir)
+        except ExportError as e:
+            print(f"qaic-dynamo serve-disagg: {e}", file=sys.stderr)
+            return 2
+        what = f"ONNX Runtime; {model.describe()}"
+    else:
+        args.model = args.model or "llama"
+        model = model_arg(args)
+        if model is None:
+            return 2
+        options["backend"] = args.backend or "qaic"
+        what = (
+            f"{options['decode_slots'] or 4} decode slots, ctx_len {options['ctx_len'] or 256}, "
+            f"backend {options['backend']}"
+        )
+    print(f"starting prefill and decode workers ({args.transport} hand-off, {what})", flush=True)
     try:
-        with DisaggregatedServer(
-            model,
-            decode_slots=args.decode_slots,
-            ctx_len=args.ctx_len,
-            chunk_size=args.chunk_size,
-            transport=args.transport,
-            backend=args.backend,
-            kv_cache_prefix=args.kv_cache_prefix,
-        ) as server:
+        with DisaggregatedServer(model, **options) as server:
             with tqdm(total=len(prompts), desc="requests", unit="req", leave=False) as bar:
                 results = server.generate(prompts, args.max_tokens, progress=lambda r: bar.update())
     except (ValueError, OSError) as e:  # bad options, or a model that cannot be loaded

@@ -18,6 +18,7 @@ import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
 from qaic_dynamo.deploy.export.assemble import io_names
+from qaic_dynamo.deploy.export.sequences import splits_without_sequences
 from qaic_dynamo.deploy.export.trace import Trace
 from qaic_dynamo.deploy.naming import align_inputs_to_outputs
 from qaic_dynamo.errors import BlocksDiffer, ExportError, LoweringError
@@ -168,6 +169,7 @@ def layerwise_model(
         except Exception as e:
             raise ExportError(f"part {k} could not be translated to ONNX: {e}") from e
         del part_model.functions[:]
+        splits_without_sequences(part_model)  # here, while the part still knows its dims
         return part_model
 
     parts = {k: translate(k) for k in (PRE, B0, B1, POST)}

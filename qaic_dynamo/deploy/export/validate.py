@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from qaic_dynamo.deploy.export.ort_model import OrtModel, has_bfloat16_inputs
+from qaic_dynamo.deploy.ort_model import OrtModel, has_bfloat16_inputs
 from qaic_dynamo.errors import ExportError
 
 __all__ = ["ContinuousBatchingRun", "continuous_batching_generate", "has_bfloat16_inputs", "ort_generate"]

@@ -31,13 +31,19 @@ KV between them through a :class:`KVTransport`:
   different processes or hosts: the prefilled slot is sent and received straight into the
   decode buffer's slot (bytes sent counted).
 
+:meth:`DisaggregatedServer.from_export` serves what ``export_prefill_decode`` wrote: the
+prefill-only and decode-only artifacts on ONNX Runtime (standing in for the card's
+``QAICInferenceSession``), each KV input and its retained-state output bound in place on the
+same buffers (:class:`OrtSession`, in :mod:`.exported`).
+
 Modules: :mod:`.kv_slices` (names and the slicing spec), :mod:`.shm` (shared-memory
-buffers), :mod:`.session`, :mod:`.transports`, :mod:`.workers` and :mod:`.server`.
+buffers), :mod:`.session`, :mod:`.exported`, :mod:`.transports`, :mod:`.workers` and :mod:`.server`.
 """
 
+from qaic_dynamo.deploy.serving.exported import ExportedModel, OrtSession
 from qaic_dynamo.deploy.serving.kv_slices import KVSliceSpec, kv_buffer_names
 from qaic_dynamo.deploy.serving.server import DisaggregatedServer, RequestResult, summarize
-from qaic_dynamo.deploy.serving.session import ExecutionSlot, Session
+from qaic_dynamo.deploy.serving.session import ExecutionSlot, Session, SlicedSession
 from qaic_dynamo.deploy.serving.shm import SharedKVBuffers
 from qaic_dynamo.deploy.serving.transports import KVTransport
 from qaic_dynamo.errors import KVSliceError
@@ -45,12 +51,15 @@ from qaic_dynamo.errors import KVSliceError
 __all__ = [
     "DisaggregatedServer",
     "ExecutionSlot",
+    "ExportedModel",
     "KVSliceError",
     "KVSliceSpec",
     "KVTransport",
+    "OrtSession",
     "RequestResult",
     "Session",
     "SharedKVBuffers",
+    "SlicedSession",
     "kv_buffer_names",
     "summarize",
 ]

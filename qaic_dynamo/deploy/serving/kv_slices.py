@@ -57,6 +57,14 @@ class KVSliceSpec:
         stems = QAIC_OPS[model.kv_cache_update].retained_state
         return cls(tuple(f"{s}.*_{prefix}" if prefix else f"{s}.*" for s in stems))
 
+    @classmethod
+    def for_names(cls, names: list[str], kv_cache_prefix: str | None = None) -> KVSliceSpec:
+        """The spec of an exported model's KV inputs (``past_key.0``, ...): one pattern per
+        stem, in the prefixed form when the export has a ``kv_cache_prefix``."""
+        prefix = validate_kv_cache_prefix(kv_cache_prefix)
+        stems = list(dict.fromkeys(n.split(".")[0] for n in names))
+        return cls(tuple(f"{s}.*_{prefix}" if prefix else f"{s}.*" for s in stems))
+
     def select(self, buffers: dict[str, torch.Tensor]) -> list[str]:
         """The names of ``buffers`` the spec covers, checked: every pattern must match a
         buffer and every sliced dim must exist in each of them."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 import multiprocessing as mp
+import os
 import queue
 import socket
 import statistics
@@ -20,6 +21,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from qaic_dynamo.deploy.serving.exported import ExportedModel
 from qaic_dynamo.deploy.serving.kv_slices import kv_buffer_names
 from qaic_dynamo.deploy.serving.shm import SharedKVBuffers
 from qaic_dynamo.deploy.serving.transports import TRANSPORTS
@@ -74,10 +78,10 @@ class DisaggregatedServer:
         self,
         model: Any,
         *,
-        decode_slots: int = 4,
-        ctx_len: int = 256,
+        decode_slots: int | None = None,
+        ctx_len: int | None = None,
         prefill_stages: int = 1,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
         transport: str = "shm",
         backend: str = "qaic",
         kv_cache_prefix: str | None = None,
@@ -89,6 +93,31 @@ class DisaggregatedServer:
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"DisaggregatedServer: transport must be one of {list(TRANSPORTS)}, got {transport!r}")
+        self.exported = model if isinstance(model, ExportedModel) else None
+        if self.exported is not None:
+            # The export's specializations fix these: anything else would not be what the
+            # card runs (or would not fit the artifact's KV).
+            fixed = {
+                "decode_slots": (decode_slots, self.exported.decode_slots),
+                "ctx_len": (ctx_len, self.exported.ctx_len),
+                "chunk_size": (chunk_size, self.exported.chunk_size),
+                "kv_cache_prefix": (kv_cache_prefix, self.exported.kv_cache_prefix),
+            }
+            for name, (given, theirs) in fixed.items():
+                if given is not None and given != theirs:
+                    raise ValueError(
+                        f"DisaggregatedServer: {name}={given!r}, but the export serves {name}={theirs!r} "
+                        "(set by its options and specializations); drop the argument or export again"
+                    )
+            decode_slots, ctx_len, chunk_size = (theirs for _, theirs in list(fixed.values())[:3])
+            kv_cache_prefix = self.exported.kv_cache_prefix
+            backend = "onnxruntime"
+        else:
+            decode_slots = 4 if decode_slots is None else decode_slots
+            ctx_len = 256 if ctx_len is None else ctx_len
+            chunk_size = 64 if chunk_size is None else chunk_size
+            if backend not in BACKENDS:
+                raise ValueError(f"DisaggregatedServer: backend must be one of {list(BACKENDS)}, got {backend!r}")
         for name, v in (
             ("decode_slots", decode_slots),
             ("ctx_len", ctx_len),
@@ -113,8 +142,6 @@ class DisaggregatedServer:
             raise ValueError(
                 f"DisaggregatedServer: threads_per_worker must be a positive int, got {threads_per_worker!r}"
             )
-        if backend not in BACKENDS:
-            raise ValueError(f"DisaggregatedServer: backend must be one of {list(BACKENDS)}, got {backend!r}")
         if gloo_init_method is not None and transport != "gloo":
             raise ValueError(
                 f"DisaggregatedServer: gloo_init_method is the gloo transport's rendezvous, but the "
@@ -123,6 +150,9 @@ class DisaggregatedServer:
         self.model = model
         self.transport = transport
         self.ctx_len = ctx_len
+        #: The longest prompt a request may have (an export's longest prefill CCL may be
+        #: shorter than ctx_len).
+        self.max_prompt_len = self.exported.max_prompt_len if self.exported is not None else ctx_len
         if transport == "gloo" and gloo_init_method is None:
             gloo_init_method = f"tcp://127.0.0.1:{_free_local_port()}"
         self.cfg = dict(
@@ -151,6 +181,16 @@ class DisaggregatedServer:
         # ended by an exception): slots would then be reused under them. None: clean.
         self._unusable: str | None = None
 
+    @classmethod
+    def from_export(
+        cls, prefill_dir: str | os.PathLike, decode_dir: str | os.PathLike | None = None, **options: Any
+    ) -> DisaggregatedServer:
+        """A server of exported artifacts on ONNX Runtime: the prefill-only and decode-only
+        exports of ``export_prefill_decode`` (its pair directory, or the two directories),
+        or one full export for both roles. ``decode_slots``, ``ctx_len``, ``chunk_size`` and
+        ``kv_cache_prefix`` come from the export; the other options are the server's."""
+        return cls(ExportedModel(prefill_dir, decode_dir), **options)
+
     # -- lifecycle ------------------------------------------------------------------------
     def __enter__(self) -> DisaggregatedServer:
         self.start()
@@ -164,12 +204,7 @@ class DisaggregatedServer:
             raise RuntimeError("DisaggregatedServer: already started; stop() it before starting it again")
         self._unusable = None
         try:
-            probe = load_model(self.model)
-            shapes = probe.kv_cache_shapes(self.cfg["slots"], self.ctx_len)
-            names = kv_buffer_names(probe, self.cfg["kv_cache_prefix"])
-            dtype = next(probe.parameters()).dtype
-            self.vocab = probe.vocab_size
-            flat = {n: s for layer, ns in zip(probe.kv_cache_layers, names) for n, s in zip(ns, shapes[layer])}
+            flat, dtype, self.vocab = self._layout()
             self.buffers = SharedKVBuffers(flat, dtype)
             # One writing process per queue: a worker killed while writing holds that queue's
             # write lock for good, and then only its own queues are stuck - jobs and its
@@ -196,6 +231,16 @@ class DisaggregatedServer:
         except BaseException:
             self.stop()
             raise
+
+    def _layout(self) -> tuple[dict[str, tuple[int, ...]], torch.dtype, int]:
+        """The decode KV buffers (name -> shape), their dtype and the vocabulary size."""
+        if self.exported is not None:
+            return self.exported.buffer_shapes(self.cfg["slots"]), self.exported.dtype, self.exported.vocab
+        probe = load_model(self.model)
+        shapes = probe.kv_cache_shapes(self.cfg["slots"], self.ctx_len)
+        names = kv_buffer_names(probe, self.cfg["kv_cache_prefix"])
+        flat = {n: s for layer, ns in zip(probe.kv_cache_layers, names) for n, s in zip(ns, shapes[layer])}
+        return flat, next(probe.parameters()).dtype, probe.vocab_size
 
     def _start_prefill(self) -> None:
         self._prefill = self._ctx.Process(
@@ -285,6 +330,12 @@ class DisaggregatedServer:
             raise ValueError("DisaggregatedServer: empty prompt")
         if not is_token_id(max_tokens) or max_tokens < 1:
             raise ValueError(f"DisaggregatedServer: max_tokens must be a positive int, got {max_tokens!r}")
+        if len(prompt) > self.max_prompt_len:
+            raise ValueError(
+                f"DisaggregatedServer: prompt ({len(prompt)} tokens) is longer than the {self.max_prompt_len} "
+                "positions the export's Prefill specializations hold (its longest prefill compute-context "
+                "length); shorten it or export with longer comp_ctx_lengths_prefill"
+            )
         if len(prompt) + max_tokens > self.ctx_len:
             raise ValueError(
                 f"DisaggregatedServer: prompt ({len(prompt)} tokens) + max_tokens={max_tokens} would not fit "

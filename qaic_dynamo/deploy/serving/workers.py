@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from qaic_dynamo.deploy.serving.session import Session
+from qaic_dynamo.deploy.serving.exported import make_session
 from qaic_dynamo.deploy.serving.shm import SharedKVBuffers
 from qaic_dynamo.deploy.serving.transports import make_transport
 from qaic_dynamo.engine import Request
@@ -32,18 +32,10 @@ def prefill_worker(model: Any, cfg: dict, descriptor: dict, jobs: Any, handoffs:
     try:  # everything inside: an error anywhere is posted, not left for the server to time out on
         torch.set_num_threads(cfg["threads"])
         decode = SharedKVBuffers.attach(descriptor) if cfg["transport"] != "gloo" else None
-        session = Session(
-            model,
-            "prefill",
-            num_slots=cfg["slots"],
-            ctx_len=cfg["ctx_len"],
-            stages=cfg["stages"],
-            backend=cfg["backend"],
-            kv_cache_prefix=cfg["kv_cache_prefix"],
-        )
+        session = make_session(model, "prefill", cfg)
         staging_slots = len(session.execution_slots)
         transport = make_transport(
-            cfg["transport"], decode, session.buffer_shapes, session.llm.dtype, 0, cfg.get("init_method"), staging_slots
+            cfg["transport"], decode, session.buffer_shapes, session.dtype, 0, cfg.get("init_method"), staging_slots
         )
         events.put(("ready", "prefill", None))
         while True:
@@ -87,17 +79,10 @@ def decode_worker(model: Any, cfg: dict, descriptor: dict, handoff_queues: list,
     try:  # everything inside: an error anywhere is posted, not left for the server to time out on
         torch.set_num_threads(cfg["threads"])
         decode = SharedKVBuffers.attach(descriptor)
-        session = Session(
-            model,
-            "decode",
-            num_slots=cfg["slots"],
-            ctx_len=cfg["ctx_len"],
-            backend=cfg["backend"],
-            kv_cache_prefix=cfg["kv_cache_prefix"],
-        )
+        session = make_session(model, "decode", cfg)
         session.set_data_with_slices(decode.tensors, {})  # decode runs every slot of the shared buffers
         transport = make_transport(
-            cfg["transport"], decode, session.buffer_shapes, session.llm.dtype, 1, cfg.get("init_method"), 0
+            cfg["transport"], decode, session.buffer_shapes, session.dtype, 1, cfg.get("init_method"), 0
         )
         events.put(("ready", "decode", None))
         running: list[tuple[Request, Job]] = []
@@ -157,7 +142,7 @@ def decode_worker(model: Any, cfg: dict, descriptor: dict, handoff_queues: list,
                 admit(item)
             if not running:
                 continue
-            logits = session.llm.execute_model([r for r, _ in running])
+            logits = session.decode([r for r, _ in running])
             still = []
             for (req, job), row in zip(running, logits):
                 req.num_computed_tokens = req.num_tokens

@@ -9,7 +9,6 @@ buffer; the ``*_RetainedState`` outputs are the buffers after the step.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,10 +17,11 @@ from typing import Any
 import numpy as np
 import onnx
 
+from qaic_dynamo.deploy.exported import specialization_ccls
 from qaic_dynamo.deploy.naming import RETAINED_STATE_SUFFIX, is_kv_retained_state
 from qaic_dynamo.errors import ExportError
 
-__all__ = ["OrtModel", "has_bfloat16_inputs", "specialization_ccls"]
+__all__ = ["OrtModel", "has_bfloat16_inputs"]
 
 _NP_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
 
@@ -31,23 +31,6 @@ def has_bfloat16_inputs(onnx_path: str | os.PathLike) -> bool:
     not run); reads the graph only, not the weights."""
     graph = onnx.load(str(onnx_path), load_external_data=False).graph
     return any(i.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16 for i in graph.input)
-
-
-def specialization_ccls(export_dir: Path) -> tuple[list[int] | None, list[int] | None]:
-    """The compute-context lengths of an export's Prefill and Decode specializations, read
-    from its ``specializations.json`` (either form): (None, None) without CCL."""
-    path = Path(export_dir) / "specializations.json"
-    if not path.is_file():
-        return None, None
-    prefill: list[int] = []
-    decode: list[int] = []
-    for spec in json.loads(path.read_text()).get("specializations", []):
-        symbols = spec.get("symbols", spec)
-        if "comp_ctx_lengths" not in symbols:
-            continue
-        decoding = spec.get("name", "").startswith("Decode") if "name" in spec else symbols.get("seq_len") == "1"
-        (decode if decoding else prefill).append(int(symbols["comp_ctx_lengths"]))
-    return (sorted(prefill) or None), (sorted(decode) or None)
 
 
 @dataclass
@@ -61,7 +44,11 @@ class _Past:
 class OrtModel:
     """One exported model in an ONNX Runtime session."""
 
-    def __init__(self, onnx_path: str | os.PathLike, num_threads: int | None = None) -> None:
+    def __init__(
+        self, onnx_path: str | os.PathLike, num_threads: int | None = None, export_dir: str | os.PathLike | None = None
+    ) -> None:
+        """``export_dir``: where its ``specializations.json`` is (default: beside the model;
+        each half of a prefill/decode pair has its own)."""
         import onnxruntime as ort
 
         self.path = Path(onnx_path)
@@ -102,7 +89,8 @@ class OrtModel:
         self.outputs = [o.name for o in self.session.get_outputs()]
         vocab = self.session.get_outputs()[0].shape[-1]
         self.vocab = vocab if isinstance(vocab, int) else None
-        self.prefill_ccls, self.decode_ccls = specialization_ccls(self.path.parent)
+        self.export_dir = Path(export_dir) if export_dir is not None else self.path.parent
+        self.prefill_ccls, self.decode_ccls = specialization_ccls(self.export_dir)
 
     def empty_cache(self, rows: int, ctx_len: int) -> dict[str, np.ndarray]:
         """Zeroed KV buffers for ``rows`` sequences of ``ctx_len`` positions."""
@@ -131,7 +119,7 @@ class OrtModel:
         if not fits:
             raise ExportError(
                 f"a {what} step reaches position {needed - 1}, past the longest {what} compute-context length "
-                f"{max(lengths)} of {self.path.parent / 'specializations.json'}; export with longer "
+                f"{max(lengths)} of {self.export_dir / 'specializations.json'}; export with longer "
                 f"comp_ctx_lengths_{what}"
             )
         return min(fits)
