@@ -471,3 +471,24 @@ def test_the_reference_llama_in_bfloat16_exports_for_ai200(tmp_path):
         llama(2).to(torch.bfloat16), tmp_path, hw_version="ai200", prefill_seq_len=8, ctx_len=32, run_compiler=False
     )
     assert _float_types(result) == {"kv": onnx.TensorProto.BFLOAT16, "logits": onnx.TensorProto.FLOAT}
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_retained_state_outputs_are_the_scatters_own(layerwise, tmp_path):
+    """Stitching named outputs through Identity nodes: a runtime binding a KV input and its
+    retained-state output to one buffer then copied the whole cache on every call."""
+    result = export_for_qaic(
+        hf("llama", 3),
+        tmp_path,
+        layerwise=layerwise,
+        full_batch_size=2,
+        prefill_seq_len=8,
+        ctx_len=32,
+        run_compiler=False,
+    )
+    g = onnx.load(str(result.onnx_path), load_external_data=False).graph
+    producer = {o: n for n in g.node for o in n.output}
+    for o in g.output[1:]:
+        node = producer[o.name]
+        assert node.op_type == "CtxScatterCB" and node.input[0] == o.name.removesuffix("_RetainedState"), o.name
+    assert producer["logits"].op_type != "Identity"

@@ -47,6 +47,17 @@ def static_pair(tmp_path_factory):
     return pair.prefill.export_dir.parent
 
 
+def test_a_transformers_model_export_serves_its_own_tokens(tmp_path):
+    from test_export import hf
+
+    model = hf("llama", 3)
+    pair = export_prefill_decode(model, tmp_path, full_batch_size=2, prefill_seq_len=16, ctx_len=64, run_compiler=False)
+    prompts, max_tokens = [[5] * 20, [9, 8, 7], [3] * 40], [6, 9, 4]
+    with DisaggregatedServer.from_export(pair.prefill.export_dir.parent) as server:
+        results = server.generate(prompts, max_tokens)
+    assert [r.token_ids for r in results] == eager_tokens(model, prompts, max_tokens)
+
+
 def test_the_exported_model_reads_what_the_export_fixed(cb_pair):
     model = ExportedModel(cb_pair)
     assert (model.decode_slots, model.ctx_len, model.chunk_size, model.kv_cache_prefix) == (4, CTX, 16, "vllm")

@@ -23,7 +23,7 @@ from qaic_dynamo.deploy.export.assemble import name_dims, whole_model
 from qaic_dynamo.deploy.export.layerwise import BLOCK_ANNOTATION, layerwise_model
 from qaic_dynamo.deploy.export.options import SPECIALIZED_DISAGG_SERVING_MODEL_ARCH, ExportOptions
 from qaic_dynamo.deploy.export.precision import Precision, resolve_precision
-from qaic_dynamo.deploy.export.sequences import splits_without_sequences
+from qaic_dynamo.deploy.export.rewrites import outputs_without_identities, splits_without_sequences
 from qaic_dynamo.deploy.export.trace import (
     Trace,
     block_signature,
@@ -204,6 +204,7 @@ def build(prepared: Prepared, opts: ExportOptions, say: Callable[[str, int, int]
         traced_layers = len(layer_names)
     name_dims(model_proto)
     splits_without_sequences(model_proto)
+    outputs_without_identities(model_proto)
     # Translation and stitching: everything since t0 but the trace(s).
     seconds["translate"] = time.perf_counter() - t0 - seconds["trace"]
     return Built(model_proto, outputs, traced_layers, seconds)

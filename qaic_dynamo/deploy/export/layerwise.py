@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
 from qaic_dynamo.deploy.export.assemble import io_names
-from qaic_dynamo.deploy.export.sequences import splits_without_sequences
+from qaic_dynamo.deploy.export.rewrites import splits_without_sequences
 from qaic_dynamo.deploy.export.trace import Trace
 from qaic_dynamo.deploy.naming import align_inputs_to_outputs
 from qaic_dynamo.errors import BlocksDiffer, ExportError, LoweringError

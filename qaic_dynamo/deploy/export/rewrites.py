@@ -1,11 +1,15 @@
-"""Splits as ``Split``, not ONNX sequences, in a deployment artifact.
+"""Graph rewrites that make the exported model what a card (and QEfficient) expects.
 
-onnxscript's torch library lowers ``split`` / ``chunk`` to ``SplitToSequence`` followed by
-one ``SequenceAt`` per piece. The model is then a sequence-typed graph: onnx's checker
-refuses it for bfloat16 (``SplitToSequence`` has no bfloat16 type), and the models
-QEfficient hands to qaic-compile hold no sequence ops. :func:`splits_without_sequences`
-rewrites every such split with constant sizes, read only through constant positions, into
-one ``Split`` with an output per piece.
+* :func:`splits_without_sequences`: onnxscript's torch library lowers ``split`` / ``chunk``
+  to ``SplitToSequence`` followed by one ``SequenceAt`` per piece. The model is then a
+  sequence-typed graph: onnx's checker refuses it for bfloat16 (``SplitToSequence`` has no
+  bfloat16 type), and the models QEfficient hands to qaic-compile hold no sequence ops.
+  Every such split with constant sizes, read only through constant positions, becomes one
+  ``Split`` with an output per piece.
+* :func:`outputs_without_identities`: stitching names graph outputs through ``Identity``
+  nodes. A retained-state output must instead be the KV scatter's own output: a runtime
+  that binds the KV input and its ``_RetainedState`` output to one buffer then updates it
+  in place, where an ``Identity`` would copy the whole cache into it on every call.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-__all__ = ["splits_without_sequences"]
+__all__ = ["outputs_without_identities", "splits_without_sequences"]
 
 
 def _constants(graph: onnx.GraphProto) -> dict[str, list[int]]:
@@ -149,3 +153,39 @@ def splits_without_sequences(model: onnx.ModelProto) -> int:
     del model.graph.node[:]
     model.graph.node.extend(new)
     return before - sum(n.op_type == "SplitToSequence" for n in model.graph.node)
+
+
+def outputs_without_identities(model: onnx.ModelProto) -> int:
+    """Make every graph output that is an ``Identity`` of an inner value that value itself
+    (renamed to the output's name); returns how many Identity nodes went."""
+    g = model.graph
+    nodes = list(g.node)  # held: ids identify nodes only while the objects live
+    fixed = {i.name for i in g.input} | {t.name for t in g.initializer}
+    outputs = {o.name for o in g.output}
+    produced = {o for n in nodes for o in n.output}
+    rename: dict[str, str] = {}
+    dropped: set[int] = set()
+    for n in nodes:
+        if n.op_type != "Identity" or n.domain not in ("", "ai.onnx") or n.output[0] not in outputs:
+            continue
+        x = n.input[0]
+        if x in fixed or x in outputs or x in rename or x not in produced:
+            continue  # a graph input or another output: the Identity must stay
+        rename[x] = n.output[0]
+        dropped.add(id(n))
+    if not rename:
+        return 0
+    kept = [n for n in nodes if id(n) not in dropped]
+    for n in kept:
+        for i, name in enumerate(n.input):
+            if name in rename:
+                n.input[i] = rename[name]
+        for i, name in enumerate(n.output):
+            if name in rename:
+                n.output[i] = rename[name]
+    infos = [v for v in g.value_info if v.name not in rename]
+    del g.value_info[:]
+    g.value_info.extend(infos)
+    del g.node[:]
+    g.node.extend(kept)
+    return len(dropped)
