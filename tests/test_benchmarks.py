@@ -172,10 +172,12 @@ def test_region_entry_benchmark_smoke(tmp_path, dict_tags):
 def test_export_benchmark_smoke(tmp_path):
     out = run_benchmark("export.py", tmp_path)
     result = json.loads((tmp_path / "export_quick.json").read_text())
-    assert set(result["median"]) == {"layerwise", "whole", "direct"} and result["layers"] == [2, 4]
+    assert set(result["median"]) == {"layerwise", "whole", "direct", "cb", "pair", "separate"}
+    assert result["layers"] == [2, 4]
     for method, by_layers in result["median"].items():
         assert all(v["export_s"] > 0 and v["weights_s"] >= 0 for v in by_layers.values()), method
     assert "layerwise(4)/layerwise(2) export time" in out and "direct(4)/layerwise(4) total time" in out
+    assert "pair(4)/layerwise(4) total time" in out and "separate(4)/layerwise(4)" in out
     assert (tmp_path / "export_quick.png").stat().st_size > 1000
 
 
@@ -183,12 +185,23 @@ def test_export_benchmark_smoke(tmp_path):
 def test_disagg_benchmark_smoke(tmp_path):
     out = run_benchmark("disagg.py", tmp_path, "--backend", "eager")
     result = json.loads((tmp_path / "disagg_quick.json").read_text())
-    assert set(result["median"]) == {"slicing", "copying", "gloo", "colocated"}
-    assert result["median"]["slicing"]["kv_bytes_per_handoff"] == 0
+    assert set(result["median"]) == {"slicing", "copying", "gloo", "colocated", "exported"}
+    assert (
+        result["median"]["slicing"]["kv_bytes_per_handoff"] == result["median"]["exported"]["kv_bytes_per_handoff"] == 0
+    )
     assert result["median"]["copying"]["kv_bytes_per_handoff"] > 0
     assert result["median"]["gloo"]["kv_bytes_per_handoff"] == result["median"]["copying"]["kv_bytes_per_handoff"]
     assert all(m["ttft_median_s"] > 0 and m["decode_tokens_per_s"] > 0 for m in result["median"].values())
     assert "Disaggregated serving" in out
+
+
+@pytest.mark.slow  # two exports and 10 ONNX Runtime steps: ~15 s on 2 cores
+def test_ccl_decode_benchmark_smoke(tmp_path):
+    out = run_benchmark("ccl_decode.py", tmp_path)
+    result = json.loads((tmp_path / "ccl_decode_quick.json").read_text())
+    assert result["context_read"] == {"full": 4096, "ccl": 1024}
+    assert result["kv_bytes_read"]["full"] == 4 * result["kv_bytes_read"]["ccl"]
+    assert all(v > 0 for v in result["median_s"].values()) and "full / ccl decode step time" in out
 
 
 @pytest.mark.slow  # ~50 s of fresh processes on 2 cores; `make test-all` runs it
