@@ -69,6 +69,12 @@ setup(
         "pyyaml>=6,<7",
         "filelock>=4.2,<5",
         "tqdm>=4.70,<5",
+        # qaic-dynamo serve: the OpenAI-compatible server
+        "fastapi>=0.165,<1",
+        "pydantic>=2.14,<3",
+        "uvicorn>=0.54,<1",
+        "sse-starlette>=3.7,<4",
+        "prometheus-client>=0.26,<1",
     ],
     extras_require={
         # Plots of the benchmarks (benchmarks/*.py write PNGs with it).

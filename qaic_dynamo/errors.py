@@ -95,6 +95,19 @@ class KVSliceError(QaicError, ValueError):
     """A disaggregated KV hand-off that does not fit the decode slot it is sent to."""
 
 
+class EngineStepError(QaicError, RuntimeError):
+    """A step of the engine failed; the requests in it are lost (the engine serves on)."""
+
+
+class BadRequestError(QaicError, ValueError):
+    """A request the OpenAI-compatible server refuses, with OpenAI's error fields: the
+    parameter at fault, an error code and the HTTP status."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param, self.code, self.status = param, code, status
+
+
 class InternalSignal(QaicError):
     """Control flow between functions of one stage, caught inside it (the stage turns it
     into one of the errors above, or into a fallback)."""

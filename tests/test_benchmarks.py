@@ -204,6 +204,16 @@ def test_ccl_decode_benchmark_smoke(tmp_path):
     assert all(v > 0 for v in result["median_s"].values()) and "full / ccl decode step time" in out
 
 
+@pytest.mark.slow  # three engines on a tiny model, 12 requests: ~20 s on 2 cores
+def test_serving_throughput_benchmark_smoke(tmp_path):
+    out = run_benchmark("serving_throughput.py", tmp_path)
+    result = json.loads((tmp_path / "serving_throughput_quick.json").read_text())
+    assert set(result["median"]) == {"scheduler", "scheduler-eager", "static"}
+    for engine, m in result["median"].items():
+        assert m["output_tokens_per_s"] > 0 and 0 < m["ttft_p50_s"] <= m["ttft_p90_s"], engine
+    assert "scheduler / static output tokens/s" in out
+
+
 @pytest.mark.slow  # ~50 s of fresh processes on 2 cores; `make test-all` runs it
 def test_families_benchmark_smoke(tmp_path):
     out = run_benchmark("families.py", tmp_path, "--families", "qwen2_moe", "gemma2")

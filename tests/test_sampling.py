@@ -54,7 +54,7 @@ def model_dir(tmp_path_factory):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(max_tokens=0), r"max_tokens must be an int >= 1, got 0"),
+        (dict(max_tokens=0), r"max_tokens must be an int >= 1, or None \(up to max_model_len\), got 0"),
         (dict(temperature=-0.5), r"temperature must be a finite number >= 0 \(0 = greedy\)"),
         # a uniform draw over the whole vocabulary, past top_k
         (dict(temperature=float("inf"), top_k=2), r"temperature must be a finite number >= 0 \(0 = greedy\), got inf"),
@@ -88,17 +88,17 @@ def test_a_tiny_temperature_is_greedy():
     """Dividing by 1e-40 overflowed the logits and multinomial raised; below 1e-5 vLLM
     samples greedily."""
     logits = torch.tensor([0.5, 3.0, -1.0])
-    assert Sampler.pick(logits, SamplingParams(temperature=1e-40), torch.Generator().manual_seed(0)) == 1
+    assert Sampler().pick(logits, SamplingParams(temperature=1e-40), torch.Generator().manual_seed(0)) == 1
 
 
 def test_top_k_and_top_p_keep_only_the_likely_tokens():
     logits = torch.tensor([4.0, 3.0, 2.0, -1.0, -2.0])
     g = torch.Generator().manual_seed(0)
-    assert {Sampler.pick(logits, SamplingParams(top_k=2), g) for _ in range(200)} == {0, 1}
+    assert {Sampler().pick(logits, SamplingParams(top_k=2), g) for _ in range(200)} == {0, 1}
     # softmax: 0.66, 0.24, 0.09, ...: top_p=0.8 keeps the first two
-    assert {Sampler.pick(logits, SamplingParams(top_p=0.8), g) for _ in range(200)} == {0, 1}
-    assert {Sampler.pick(logits, SamplingParams(top_p=0.5), g) for _ in range(50)} == {0}
-    assert Sampler.pick(logits, SamplingParams(temperature=0), g) == 0
+    assert {Sampler().pick(logits, SamplingParams(top_p=0.8), g) for _ in range(200)} == {0, 1}
+    assert {Sampler().pick(logits, SamplingParams(top_p=0.5), g) for _ in range(50)} == {0}
+    assert Sampler().pick(logits, SamplingParams(temperature=0), g) == 0
 
 
 def test_text_in_text_out_with_a_local_tokenizer(model_dir):
@@ -106,14 +106,15 @@ def test_text_in_text_out_with_a_local_tokenizer(model_dir):
     assert llm.tokenizer is not None
     out = llm.generate(["w1 w2 w3", "w7"], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     ids = [llm.tokenizer.encode("w1 w2 w3"), llm.tokenizer.encode("w7")]
-    assert [o.prompt_token_ids for o in out] == ids
-    assert [o.token_ids for o in out] == llm.generate(ids, 5)  # greedy, same tokens as token-id prompts
+    assert [o.prompt_token_ids for o in out] == ids and [o.prompt for o in out] == ["w1 w2 w3", "w7"]
+    assert [o.outputs[0].token_ids for o in out] == llm.generate(ids, 5)  # greedy, as token-id prompts
     for o in out:
-        assert o.text == llm.tokenizer.decode(o.token_ids, skip_special_tokens=True) and isinstance(o.text, str)
-        assert o.finish_reason == "length"
+        c = o.outputs[0]
+        assert c.text == llm.tokenizer.decode(c.token_ids, skip_special_tokens=True) and isinstance(c.text, str)
+        assert c.finish_reason == "length"
     # One string alone is one prompt (as vLLM takes it), not one prompt per character.
     (alone,) = llm.generate("w1 w2 w3", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
-    assert alone.prompt_token_ids == ids[0] and alone.token_ids == out[0].token_ids
+    assert alone.prompt_token_ids == ids[0] and alone.outputs[0].token_ids == out[0].outputs[0].token_ids
 
 
 def test_a_text_prompt_without_a_tokenizer_says_how_to_fix_it():
@@ -130,17 +131,16 @@ def test_generation_stops_at_eos_unless_ignore_eos_and_at_stop_tokens():
     model = hf_llama()
     llm = LLM(model, backend="eager", max_model_len=64)
     prompt = [5, 6, 7]
-    free = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
+    free = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
     stop = free[3]
-    cut = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop]))[0]
-    assert cut.token_ids == free[: free.index(stop) + 1] and cut.finish_reason == "stop"
+    cut = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop]))[0].outputs[0]
+    assert cut.token_ids == free[: free.index(stop) + 1] and cut.finish_reason == "stop" and cut.stop_reason == stop
     # EOS: make the model's EOS the token it would generate, and generation stops there.
     llm_eos = LLM(hf_llama(eos=free[2]), backend="eager", max_model_len=64)
-    out = llm_eos.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0]
-    assert out.token_ids == free[: free.index(free[2]) + 1] and out.finish_reason == "stop"
-    assert (
-        llm_eos.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids == free
-    )
+    out = llm_eos.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0].outputs[0]
+    assert out.token_ids == free[: free.index(free[2]) + 1] and out.finish_reason == "stop" and out.stop_reason is None
+    ignoring = llm_eos.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert ignoring[0].outputs[0].token_ids == free
 
 
 def test_the_tokenizers_eos_stops_too():
@@ -164,7 +164,8 @@ class PlainTokenizer:
 def test_a_tokenizer_with_a_plain_decode_works():
     llm = LLM(hf_llama(), backend="eager", max_model_len=64, tokenizer=PlainTokenizer())
     (out,) = llm.generate(["hi"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-    assert out.prompt_token_ids == [104, 105] and out.text == "".join(chr(i) for i in out.token_ids)
+    assert out.prompt_token_ids == [104, 105]
+    assert out.outputs[0].text == "".join(chr(i) for i in out.outputs[0].token_ids)
 
 
 def test_max_model_len_is_bounded_by_the_models_positions():
@@ -197,10 +198,10 @@ def test_max_model_len_is_bounded_by_the_models_positions():
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(backend):
     llm = LLM(hf_llama(), backend=backend, max_model_len=64, max_num_seqs=4)
     params = SamplingParams(max_tokens=10, temperature=1.3, top_k=50, top_p=0.95, seed=1234, ignore_eos=True)
-    alone = llm.generate([[9, 8, 7]], params)[0].token_ids
+    alone = llm.generate([[9, 8, 7]], params)[0].outputs[0].token_ids
     others = SamplingParams(max_tokens=4, temperature=0.7, ignore_eos=True)
     batch = llm.generate([[1, 2], [9, 8, 7], [3, 4, 5, 6, 7]], [others, params, others])
-    assert batch[1].token_ids == alone
-    assert llm.generate([[9, 8, 7]], params)[0].token_ids == alone
+    assert batch[1].outputs[0].token_ids == alone
+    assert llm.generate([[9, 8, 7]], params)[0].outputs[0].token_ids == alone
     different = llm.generate([[9, 8, 7]], SamplingParams(max_tokens=10, temperature=1.3, seed=99, ignore_eos=True))
-    assert different[0].token_ids != alone  # the seed matters (10 tokens from a 256-token vocabulary)
+    assert different[0].outputs[0].token_ids != alone  # the seed matters (10 tokens from a 256-token vocabulary)

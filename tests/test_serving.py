@@ -549,7 +549,7 @@ def test_cli_serves_a_prompt_file(tmp_path, capsys):
     assert "whitespace-separated token ids" in capsys.readouterr().err
 
 
-def test_cli_names_why_a_worker_could_not_start(tmp_path, capsys):
+def test_cli_names_why_the_server_could_not_start(tmp_path, capsys):
     # A context past the model's positions is refused inside the workers; the CLI printed
     # the parent's traceback around the worker's.
     from transformers import LlamaConfig
@@ -585,7 +585,8 @@ def test_cli_names_why_a_worker_could_not_start(tmp_path, capsys):
     )
     err = capsys.readouterr().err
     assert rc == 1 and "Traceback" not in err, err
-    assert "worker failed" in err and "exceeds the model's max_position_embeddings=32" in err, err
+    # Checked in the server before any worker starts (issue 38; a worker used to find it).
+    assert "ctx_len=64 exceeds the model's max_position_embeddings=32" in err and "worker" not in err, err
 
 
 @pytest.mark.parametrize("kind", ["prefixed-llama", "mla"])

@@ -206,3 +206,18 @@ def test_cli_serves_an_export_directory(cb_pair, tmp_path, capsys):
     assert "--layers describe a model to compile" in capsys.readouterr().err
     assert main(["serve-disagg", "--export-dir", str(tmp_path), "--prompts", str(prompts)]) == 2
     assert "holds no export" in capsys.readouterr().err
+
+
+def test_cli_names_why_a_worker_could_not_start(cb_pair, tmp_path, capsys):
+    import shutil
+
+    from qaic_dynamo.cli import main
+
+    broken = tmp_path / "pair"
+    shutil.copytree(cb_pair, broken)
+    (broken / "model.onnx.data").unlink()  # the graph reads fine; the weights are gone
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("1 2 3\n")
+    assert main(["serve-disagg", "--export-dir", str(broken), "--prompts", str(prompts)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "worker failed" in err and "ONNX Runtime cannot load" in err, err

@@ -1,65 +1,63 @@
-"""``LLM``: a small paged-KV inference engine over the qaic ops.
+"""``LLM``: a paged-KV inference engine over the qaic ops, used as vLLM's ``LLM`` is.
 
     from qaic_dynamo import LLM, SamplingParams
     llm = LLM(model, backend="qaic", max_num_seqs=8, max_model_len=512, block_size=16)
-    out = llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], 16)       # greedy token ids, 16 each
-    outs = llm.generate(["a prompt"], SamplingParams(max_tokens=32, temperature=0.8, seed=0))
-    outs[0].text, outs[0].token_ids                             # with a tokenizer (model dir)
+    outs = llm.generate(["a prompt", "another"], SamplingParams(max_tokens=32, temperature=0.8, n=2))
+    outs[0].outputs[0].text, outs[0].outputs[1].token_ids      # text with a tokenizer (model dir)
+    for delta in llm.stream(["a prompt"], SamplingParams(max_tokens=32)):
+        print(delta.outputs[0].text, end="")
+    llm.generate([[1, 2, 3], [4, 5, 6, 7, 8]], 16)             # shorthand: greedy token-id lists
 
-``generate(prompts, n)`` with an int is greedy and returns exactly ``n`` new token ids per
-prompt; with ``SamplingParams`` (one, or one per prompt) it returns ``RequestOutput``s
-(token ids, text when there is a tokenizer, finish reason) and stops at EOS and stop
-tokens (see :mod:`qaic_dynamo.engine.sampling`). Prompts are token-id lists or, with a
-tokenizer, strings.
+``generate`` takes any number of prompts (token-id lists or, with a tokenizer, strings)
+and returns vLLM's ``RequestOutput``s (:mod:`.outputs`); an int in place of the
+``SamplingParams`` is a shorthand of another type: greedy, exactly that many tokens,
+returning plain token-id lists. ``stream`` yields each request's progress as deltas.
 
-What it does, per step: schedules the waiting and running requests into one flat batch
-(new prompts are prefilled whole, running ones decode one token, mixed freely), builds
-the slot mapping and block tables, sets the forward context, runs the (compiled) model
-(:meth:`LLM.execute_model`) and picks the next token of every request. Blocks are
-reserved for a request's whole length when it is admitted and released when it finishes,
-or when ``generate`` stops on an exception, so the engine is usable again afterwards
-(``LLM.num_free_blocks`` is back to ``num_blocks`` after every ``generate``); a
-request that does not fit in the free blocks waits in the queue until enough are freed
-(it never preempts and never truncates). Requests that could never fit, or are
-malformed, are rejected up front.
+Under it (:mod:`.core`): a scheduler with continuous batching and chunked prefill under
+a token budget, which preempts (and later recomputes) the newest request when KV blocks
+run out (:mod:`.scheduler`); a model runner that feeds one flat batch per step
+(:mod:`.runner`); the sampler with vLLM's penalties and logprobs (:mod:`.sampling`); and
+incremental detokenization with stop strings (:mod:`.detokenizer`). Several threads may
+share one ``LLM``: their requests join the same scheduler, and whichever thread steps
+advances them all.
+
+If a step raises, the requests in it fail and release their blocks before the exception
+propagates, so the engine stays usable (``LLM.num_free_blocks`` is back to
+``num_blocks`` once every request is done). Requests that could never fit, or are
+malformed, are refused before anything runs.
 
 The engine never changes the model it is given: it runs its own copy of the module tree,
 which shares the weight tensors (see :mod:`qaic_dynamo.models`), so the same model can
-back several engines and still run on its own.
-
-The cache of every layer is ``[num_blocks, num_kv_heads, block_size, head_size]``, the op
-layer's layout; the model's layers are registered in model order, so
-``unified_kv_cache_update(..., "from_forward_context")`` resolves each one.
-
-With ``backend="qaic"`` the model is compiled region by region (``qaic_dynamo.compile``):
-the decoder block is traced and lowered once whatever the depth, and the embedding,
-final norm and head are regions of their own. ``regional=False`` compiles the whole model
-in one ``torch.compile`` instead.
-
-The token dimension is marked dynamic, so the model compiles once for every batch size
-and mix of prefill and decode. Batches are padded to at least two tokens and two logits
-rows with padding slots (-1), because Dynamo specialises sizes 0 and 1.
+back several engines and still run on its own. With ``backend="qaic"`` the model is
+compiled region by region (``qaic_dynamo.compile``): the decoder block is traced and
+lowered once whatever the depth. ``regional=False`` compiles the whole model in one
+``torch.compile`` instead.
 """
 
 from __future__ import annotations
 
-import collections
+import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-from qaic_dynamo._compat import maybe_mark_dynamic
-from qaic_dynamo.engine.request import Request, RequestOutput, prompt_list
+from qaic_dynamo.engine.core import EngineCore
+from qaic_dynamo.engine.outputs import GreedyOutput, RequestOutput
+from qaic_dynamo.engine.request import Request, prompt_list
+from qaic_dynamo.engine.runner import ModelRunner
 from qaic_dynamo.engine.sampling import SEED_RANGE, Sampler, SamplingParams, is_seed, is_token_id
-from qaic_dynamo.forward_context import build_attention_metadata, set_forward_context
+from qaic_dynamo.engine.scheduler import BlockPool, Scheduler
 
 __all__ = ["BACKENDS", "DEFAULT_MAX_MODEL_LEN", "LLM"]
 
 BACKENDS = ("qaic", "eager", "inductor")
 #: ``max_model_len`` when none is given (or the model's max_position_embeddings if smaller).
 DEFAULT_MAX_MODEL_LEN = 512
+#: The least default token budget of a step (``max_num_batched_tokens``): at least
+#: ``max_model_len``, so that a prompt alone is prefilled in one step.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 
 
 class LLM:
@@ -72,7 +70,7 @@ class LLM:
             (``"llama"``, ``"mla"``) built with random weights. A model instance is left
             unchanged: the engine runs a copy of its module tree that shares its weights.
         backend: ``"qaic"`` (the default), ``"eager"`` (no compile) or ``"inductor"``.
-        max_num_seqs: sequences per ``generate`` call and per batch.
+        max_num_seqs: sequences running at once (more wait in the queue).
         max_model_len: longest sequence (prompt + generated tokens); default 512, or the
             model's ``max_position_embeddings`` if smaller. More than that is refused.
         block_size: tokens per KV block.
@@ -92,6 +90,8 @@ class LLM:
             or a path to load one from with ``AutoTokenizer``; by default it is loaded from
             the model directory when the model is one and has tokenizer files.
         seed: seed of the generator shared by requests sampled without a seed of their own.
+        max_num_batched_tokens: tokens fed per step at most (prompts are prefilled in
+            chunks within it); default the larger of ``max_model_len`` and 512.
 
     Raises NotImplementedError, before anything is traced, for a model the qaic ops do not
     implement (e.g. chunked attention, transformers' latent attention, attention that
@@ -113,6 +113,7 @@ class LLM:
         regional: bool = True,
         tokenizer: Any = None,
         seed: int = 0,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         from qaic_dynamo.models import batch_dependent_rope, load_model, max_positions, max_positions_text
 
@@ -123,25 +124,26 @@ class LLM:
             ("max_model_len", max_model_len),
             ("block_size", block_size),
             ("num_blocks", num_blocks),
+            ("max_num_batched_tokens", max_num_batched_tokens),
         ):
-            if value is None and name in ("max_model_len", "num_blocks"):
+            if value is None and name in ("max_model_len", "num_blocks", "max_num_batched_tokens"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"LLM: {name} must be a positive int, got {value!r}")
         if not is_seed(seed):  # checked before the model loads, not by torch at the end
             raise ValueError(f"LLM: seed must be {SEED_RANGE}, got {seed!r}")
-        self.model = load_model(model, layer_agnostic_kv_update=layer_agnostic_kv_update, dtype=dtype)
-        self.model.eval()
+        source, model = model, load_model(model, layer_agnostic_kv_update=layer_agnostic_kv_update, dtype=dtype)
+        model.eval()
         # As vLLM: positions past the model's trained range are refused, not run.
-        positions = max_positions(self.model)
+        positions = max_positions(model)
         if max_model_len is None:
             max_model_len = min(DEFAULT_MAX_MODEL_LEN, positions or DEFAULT_MAX_MODEL_LEN)
         elif positions is not None and max_model_len > positions:
             raise ValueError(
-                f"LLM: max_model_len={max_model_len} exceeds the model's {max_positions_text(self.model)}; "
+                f"LLM: max_model_len={max_model_len} exceeds the model's {max_positions_text(model)}; "
                 f"pass max_model_len <= {positions}"
             )
-        rope = batch_dependent_rope(self.model)
+        rope = batch_dependent_rope(model)
         if rope is not None and max_num_seqs > 1 and max_model_len > rope[1]:
             # The engine runs a step's requests as one sequence of tokens, so one request
             # past that length would change the RoPE frequencies - and the tokens - of all.
@@ -153,34 +155,59 @@ class LLM:
         self.backend = backend
         self.max_num_seqs, self.max_model_len, self.block_size = max_num_seqs, max_model_len, block_size
         blocks_per_seq = -(-max_model_len // block_size)
-        self.num_blocks = num_blocks if num_blocks is not None else max_num_seqs * blocks_per_seq
-        if self.num_blocks < 1:
-            raise ValueError(f"LLM: num_blocks must be positive, got {self.num_blocks}")
-        self.dtype = next(self.model.parameters()).dtype
-        self.kv_caches = {
-            name: tuple(torch.zeros(shape, dtype=self.dtype) for shape in shapes)
-            for name, shapes in self.model.kv_cache_shapes(self.num_blocks, block_size).items()
-        }
-        self.kv_cache_layers = self.model.kv_cache_layers
-        # With "from_forward_context" every layer's update advances the context's layer
-        # index, so after a forward it must have reached the last layer (checked per step).
-        self._counts_kv_writes = layer_agnostic_kv_update
-        self._free_blocks = collections.deque(range(self.num_blocks))
-        if backend == "eager":
-            self._fn = self.model
-        elif backend == "qaic":
-            from qaic_dynamo.compiler import compile as compile_regions
-            from qaic_dynamo.compiler import specialized_floats
-
-            if regional:
-                self._fn = compile_regions(self.model, **(compile_options or {}))
-            else:
-                self._fn = specialized_floats()(torch.compile(self.model, backend="qaic", options=compile_options))
-        else:
-            self._fn = torch.compile(self.model, backend="inductor")
+        num_blocks = num_blocks if num_blocks is not None else max_num_seqs * blocks_per_seq
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.runner = ModelRunner(
+            model,
+            backend,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            counts_kv_writes=layer_agnostic_kv_update,
+            compile_options=compile_options,
+            regional=regional,
+        )
+        self.pool = BlockPool(num_blocks)
+        self.scheduler = Scheduler(self.pool, block_size, max_num_seqs, max_num_batched_tokens)
         self.stats: dict[str, float] = {}
-        self.tokenizer = _load_tokenizer(model, tokenizer)
+        self.tokenizer = _load_tokenizer(source, tokenizer)
         self.sampler = Sampler(self._eos_token_ids(), int(seed))
+        self.core = EngineCore(
+            self.runner, self.scheduler, self.sampler, self.tokenizer, max_model_len, self.model.vocab_size
+        )
+        self._request_ids = itertools.count()
+
+    # -- the runner's state, as the serving sessions and benchmarks use it ------------------
+    @property
+    def model(self) -> Any:
+        return self.runner.model
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runner.dtype
+
+    @property
+    def kv_cache_layers(self) -> list[str]:
+        return self.runner.kv_cache_layers
+
+    @property
+    def kv_caches(self) -> dict[str, tuple[torch.Tensor, ...]]:
+        return self.runner.kv_caches
+
+    @kv_caches.setter
+    def kv_caches(self, caches: dict[str, tuple[torch.Tensor, ...]]) -> None:
+        self.runner.kv_caches = caches
+
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    @num_blocks.setter
+    def num_blocks(self, n: int) -> None:
+        # Rebinding the caches (a serving session's shared buffers) changes how many
+        # blocks execute_model accepts; the scheduler's pool stays as it was made.
+        self.runner.num_blocks = n
 
     def _eos_token_ids(self) -> list[int]:
         """The model's EOS token(s), from its generation or model config, and the
@@ -200,11 +227,11 @@ class LLM:
             ids.append(tok_eos)
         return ids
 
-    # -- KV blocks ------------------------------------------------------------------------
+    # -- KV blocks, for callers that run execute_model themselves ---------------------------
     @property
     def num_free_blocks(self) -> int:
-        """KV blocks not reserved by any request (``num_blocks`` when the engine is idle)."""
-        return len(self._free_blocks)
+        """KV blocks no request holds (``num_blocks`` when the engine is idle)."""
+        return self.pool.num_free
 
     def blocks_needed(self, num_tokens: int) -> int:
         """KV blocks that hold ``num_tokens`` tokens."""
@@ -215,78 +242,97 @@ class LLM:
         are free; returns whether it did. Release them with :meth:`release_blocks`."""
         if request.block_ids:
             raise ValueError(f"reserve_blocks: request {request.request_id} already holds blocks")
-        need = self.blocks_needed(request.max_num_tokens)
-        if need > len(self._free_blocks):
+        with self.core.lock:
+            blocks = self.pool.take(self.blocks_needed(request.max_num_tokens))
+        if blocks is None:
             return False
-        request.block_ids = [self._free_blocks.popleft() for _ in range(need)]
+        request.block_ids = blocks
         return True
 
     def release_blocks(self, request: Request) -> None:
         """Return ``request``'s blocks to the free pool (a no-op if it holds none)."""
-        self._free_blocks.extend(request.block_ids)
+        with self.core.lock:
+            self.pool.give_back(request.block_ids)
         request.block_ids = []
 
-    # -- validation -----------------------------------------------------------------------
-    def _validate(self, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int]) -> None:
-        if len(prompts) == 0:
-            raise ValueError("generate: no prompts given")
-        if len(prompts) > self.max_num_seqs:
-            raise ValueError(
-                f"generate: got {len(prompts)} prompts but max_num_seqs={self.max_num_seqs}; pass at most "
-                f"{self.max_num_seqs} per call or create the LLM with a larger max_num_seqs"
-            )
-        vocab = self.model.vocab_size
-        for i, (p, max_new_tokens) in enumerate(zip(prompts, max_tokens)):
-            if len(p) == 0:
-                raise ValueError(f"generate: prompt {i} is empty; every prompt needs at least one token")
-            bad = [t for t in p if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"generate: prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-            if len(p) > self.max_model_len:
-                raise ValueError(f"generate: prompt {i} has {len(p)} tokens but max_model_len={self.max_model_len}")
-            if len(p) + max_new_tokens > self.max_model_len:
-                raise ValueError(
-                    f"generate: prompt {i} ({len(p)} tokens) + max_new_tokens={max_new_tokens} exceeds "
-                    f"max_model_len={self.max_model_len}; shorten it, lower max_new_tokens or raise max_model_len"
-                )
-            need = self.blocks_needed(len(p) + max_new_tokens)
-            if need > self.num_blocks:
-                raise ValueError(
-                    f"generate: prompt {i} needs {need} KV blocks of {self.block_size} tokens but the cache has "
-                    f"only {self.num_blocks}; raise num_blocks"
-                )
-
     # -- generation -----------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Any], params: Any = 16) -> Any:
+    def generate(self, prompts: Any, params: Any = None) -> Any:
         """Generate for every prompt (token-id lists, or strings with a tokenizer); one
-        prompt alone (a string, or a flat list of token ids) is a batch of one.
+        prompt alone (a string, or a flat list of token ids) is a batch of one. Any number
+        of prompts: the scheduler queues what does not fit.
 
-        ``params`` an int ``n``: greedy, exactly ``n`` new tokens each, returned as token-id
-        lists (no EOS stop). ``params`` a ``SamplingParams`` (or one per prompt): returns
-        ``RequestOutput``s with token ids, text (with a tokenizer) and finish reason.
+        ``params`` a ``SamplingParams`` (or one per prompt; None: the defaults) returns one
+        ``RequestOutput`` per prompt, in order, each with ``n`` ``CompletionOutput``s
+        (``outputs[0].text``, ``.token_ids``, ``.finish_reason``, ...).
+
+        ``params`` an int ``k`` is a shorthand of another type: greedy, exactly ``k`` new
+        tokens each (no stop at EOS), returning plain token-id lists.
         """
         prompts = prompt_list(prompts)
-        if isinstance(params, int) and not isinstance(params, bool):
-            return [o.token_ids for o in self.generate_outputs(prompts, params)]
-        per = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(per) != len(prompts) or not all(isinstance(p, SamplingParams) for p in per):
-            raise TypeError(
-                "generate: params must be an int (greedy max_new_tokens), a SamplingParams, or one "
-                f"SamplingParams per prompt ({len(prompts)}); got {params!r}"
-            )
-        return self._generate(prompts, per, return_logits=False)
+        if is_token_id(params) and not isinstance(params, torch.Tensor):
+            return [o.token_ids for o in self.generate_outputs(prompts, int(params))]
+        per = self._params(prompts, params)
+        ids = self._run(prompts, per)
+        try:
+            return [self.core.output(rid) for rid in ids]
+        finally:
+            for rid in ids:
+                self.core.release(rid)
+
+    def stream(self, prompts: Any, params: Any = None) -> Iterator[RequestOutput]:
+        """Generate as :meth:`generate` with ``SamplingParams``, yielding each request's
+        progress as it is made: a ``RequestOutput`` per request and step holding only the
+        new tokens, text and logprobs (vLLM's delta outputs), ``finished`` on its last.
+        Closing the iterator early aborts the requests it still runs."""
+        prompts = prompt_list(prompts)
+        per = self._params(prompts, params)
+        ids = self._add(prompts, per, return_logits=False)
+        try:
+            pending = set(ids)
+            while pending:
+                with self.core.lock:
+                    self._step_for(pending)
+                    ready = [rid for rid in ids if rid in pending and rid in self.core.dirty]
+                    outs = [self.core.output(rid, delta=True) for rid in ready]
+                for out in outs:
+                    if out.finished:
+                        pending.discard(out.request_id)
+                    yield out
+        finally:
+            for rid in ids:
+                self.core.release(rid)
 
     @torch.no_grad()
     def generate_outputs(
         self, prompts: Sequence[Any], max_new_tokens: int = 16, return_logits: bool = False
-    ) -> list[RequestOutput]:
-        """Greedy, exactly ``max_new_tokens`` tokens each, as ``RequestOutput``s, with the
-        logits of every generated token when ``return_logits``."""
+    ) -> list[GreedyOutput]:
+        """Greedy, exactly ``max_new_tokens`` tokens each, with the logits row of every
+        generated token when ``return_logits``."""
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"generate: max_new_tokens must be a positive int, got {max_new_tokens!r}")
         greedy = SamplingParams(max_tokens=max_new_tokens, temperature=0, ignore_eos=True)
         prompts = prompt_list(prompts)
-        return self._generate(prompts, [greedy] * len(prompts), return_logits)
+        ids = self._run(prompts, [greedy] * len(prompts), return_logits=return_logits)
+        try:
+            outs = []
+            for rid in ids:
+                o = self.core.output(rid)
+                outs.append(GreedyOutput(o.prompt_token_ids, o.outputs[0].token_ids, self.core.logits(rid)[0]))
+            return outs
+        finally:
+            for rid in ids:
+                self.core.release(rid)
+
+    def _params(self, prompts: list[Any], params: Any) -> list[SamplingParams]:
+        if params is None:
+            params = SamplingParams()
+        per = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(per) != len(prompts) or not all(isinstance(p, SamplingParams) for p in per):
+            raise TypeError(
+                "generate: params must be a SamplingParams, one SamplingParams per prompt "
+                f"({len(prompts)}), or an int (greedy max_tokens, returning token-id lists); got {params!r}"
+            )
+        return per
 
     def _token_ids(self, prompts: Sequence[Any]) -> list[list[int]]:
         out = []
@@ -310,72 +356,54 @@ class LLM:
                 )
         return out
 
-    @torch.no_grad()
-    def _generate(self, prompts: Sequence[Any], params: list[Any], return_logits: bool) -> list[RequestOutput]:
-        """Every generation path: continuous batching, one sampler per request. If a step
-        raises, every block is released before the exception propagates, and the engine
-        can be used again."""
+    def _add(self, prompts: list[Any], params: list[SamplingParams], return_logits: bool) -> list[str]:
+        """Add every prompt as a request (all validated first, none added if one is bad)."""
+        if len(prompts) == 0:
+            raise ValueError("generate: no prompts given")
         ids = self._token_ids(prompts)
-        self._validate(ids, [p.max_tokens for p in params])
-        requests = [
-            Request(i, p, sp.max_tokens, logits=[] if return_logits else None, params=sp)
-            for i, (p, sp) in enumerate(zip(ids, params))
-        ]
-        generators = [self.sampler.generator(sp) for sp in params]
-        waiting = collections.deque(requests)
-        running: list[Request] = []
-        t0 = time.perf_counter()
-        steps = tokens = 0
-        try:
-            while waiting or running:
-                self._admit(waiting, running)
-                if not running:
-                    raise RuntimeError("LLM: no sequence could be scheduled")  # unreachable: validated
-                logits = self.execute_model(running)
-                steps += 1
-                for req, row in zip(running, logits):
-                    tokens += req.num_tokens - req.num_computed_tokens
-                    req.num_computed_tokens = req.num_tokens
-                    tok = self.sampler.pick(row, req.params, generators[req.request_id])
-                    req.output_token_ids.append(tok)
-                    req.stopped = self.sampler.is_stop_token(tok, req.params)
-                    if req.logits is not None:
-                        req.logits.append(row.clone())
-                for req in [r for r in running if r.is_finished]:
-                    running.remove(req)
-                    self.release_blocks(req)
-        finally:  # on success only finished requests remain, holding no blocks
-            for req in requests:
-                self.release_blocks(req)
-        self.stats = {"steps": steps, "tokens": tokens, "seconds": time.perf_counter() - t0}
-        return [
-            RequestOutput(
-                r.prompt_token_ids,
-                r.output_token_ids,
-                r.logits,
-                text=self._decode(r.output_token_ids) if self.tokenizer else None,
-                prompt=prompts[r.request_id] if isinstance(prompts[r.request_id], str) else None,
-                finish_reason="stop" if r.stopped else "length",
-            )
-            for r in requests
-        ]
+        for i, (p, sp) in enumerate(zip(ids, params)):
+            self.core.check_request(p, sp, f"prompt {i}")
+        with self.core.lock:
+            rids = [str(next(self._request_ids)) for _ in prompts]
+            for rid, prompt, p, sp in zip(rids, prompts, ids, params):
+                self.core.add_request(rid, prompt if isinstance(prompt, str) else None, p, sp, return_logits)
+        return rids
 
-    def _decode(self, token_ids: list[int]) -> str:
-        """Text of ``token_ids``; a tokenizer with a plain ``decode(ids)`` (no
-        ``skip_special_tokens``) is accepted too, as documented."""
+    @torch.no_grad()
+    def _run(self, prompts: list[Any], params: list[SamplingParams], return_logits: bool = False) -> list[str]:
+        """Add the requests and step until all are finished. If a step raises, the
+        requests are released before the exception propagates: the engine stays usable."""
+        ids = self._add(prompts, params, return_logits)
+        steps, tokens, t0 = self.core.num_steps, self.core.num_tokens, time.perf_counter()
         try:
-            return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        except TypeError as e:
-            if "skip_special_tokens" not in str(e):
-                raise
-            return self.tokenizer.decode(token_ids)
+            pending = set(ids)
+            while pending:
+                with self.core.lock:
+                    self._step_for(pending)
+                    pending = {rid for rid in pending if not self.core.is_finished(rid)}
+        except BaseException:
+            for rid in ids:
+                self.core.release(rid)
+            raise
+        self.stats = {
+            "steps": self.core.num_steps - steps,
+            "tokens": self.core.num_tokens - tokens,
+            "seconds": time.perf_counter() - t0,
+        }
+        return ids
 
-    def _admit(self, waiting: collections.deque[Request], running: list[Request]) -> None:
-        """Move waiting requests in while there are slots and free blocks (FIFO)."""
-        while waiting and len(running) < self.max_num_seqs:
-            if not self.reserve_blocks(waiting[0]):
-                break  # queued until running requests finish and release their blocks
-            running.append(waiting.popleft())
+    def _step_for(self, pending: set[str]) -> None:
+        """One step, unless every request of ``pending`` is already finished (another
+        thread may have stepped for them); under the core's lock. A request another
+        thread's failing step aborted raises here, naming the error."""
+        for rid in pending:
+            error = self.core.error(rid)
+            if error is not None:
+                raise RuntimeError(f"generate: request {rid} failed in a step run for several requests: {error}")
+        if all(self.core.is_finished(rid) for rid in pending):
+            return
+        if self.core.step() == 0:
+            raise RuntimeError("LLM: requests are pending but the scheduler has nothing to run")
 
     def execute_model(self, requests: Sequence[Request]) -> torch.Tensor:
         """One forward pass over a batch: every request's tokens not yet in the cache
@@ -388,45 +416,7 @@ class LLM:
         """
         if not requests:
             raise ValueError("execute_model: the batch is empty")
-        for r in requests:
-            if r.num_computed_tokens >= r.num_tokens:
-                raise ValueError(
-                    f"execute_model: request {r.request_id} has no token to feed: all {r.num_tokens} are "
-                    "computed; append the next token (or leave it out of the batch)"
-                )
-            if any(not 0 <= b < self.num_blocks for b in r.block_ids):
-                raise ValueError(
-                    f"execute_model: request {r.request_id} has block ids outside [0, {self.num_blocks}): "
-                    f"{[b for b in r.block_ids if not 0 <= b < self.num_blocks][:5]}"
-                )
-        new_tokens = [r.all_token_ids[r.num_computed_tokens :] for r in requests]
-        q_lens = [len(t) for t in new_tokens]
-        seq_lens = [r.num_tokens for r in requests]  # tokens in the cache after this step
-        ids = [t for toks in new_tokens for t in toks]
-        positions = [p for r in requests for p in range(r.num_computed_tokens, r.num_tokens)]
-        num_tokens = max(2, len(ids))  # sizes 0/1 are specialised by Dynamo: keep >= 2
-        ids += [0] * (num_tokens - len(ids))
-        positions += [0] * (num_tokens - len(positions))
-        last = (torch.tensor(q_lens).cumsum(0) - 1).tolist()
-        logits_indices = torch.tensor(last + last[-1:] * max(0, 2 - len(last)))
-        input_ids, pos = torch.tensor(ids), torch.tensor(positions)
-        for t in (input_ids, pos, logits_indices):
-            maybe_mark_dynamic(t, 0)
-        md = build_attention_metadata(
-            seq_lens, q_lens, [r.block_ids for r in requests], self.block_size, num_tokens=num_tokens
-        )
-        with torch.no_grad(), set_forward_context(md, self.kv_caches, self.kv_cache_layers) as ctx:
-            logits = self._fn(input_ids, pos, logits_indices)
-            written = ctx.kv_cache_layer_index
-        if self._counts_kv_writes and written != len(self.kv_cache_layers):
-            # A layer whose attention bypasses the qaic ops computed without its cache, and
-            # the next step would read a cache it never wrote: never return such logits.
-            raise RuntimeError(
-                f"execute_model: the model wrote the KV cache of {written} of its {len(self.kv_cache_layers)} "
-                "attention layers in this forward; its attention does not go through the qaic ops for every layer "
-                "(for a transformers model: it does not call the attention interface), so the engine cannot run it"
-            )
-        return logits[: len(requests)]
+        return self.runner.forward(requests, [r.num_tokens - r.num_computed_tokens for r in requests])[0]
 
 
 def _load_tokenizer(model: Any, tokenizer: Any) -> Any:

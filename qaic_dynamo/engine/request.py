@@ -1,4 +1,4 @@
-"""What the engine tracks per request between steps, and what ``generate`` returns."""
+"""What the engine tracks per request between steps, and how prompts are given."""
 
 from __future__ import annotations
 
@@ -10,21 +10,7 @@ import torch
 
 from qaic_dynamo.engine.sampling import is_token_id
 
-__all__ = ["Request", "RequestOutput", "prompt_list"]
-
-
-@dataclass
-class RequestOutput:
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    #: Logits each generated token was chosen from (only with ``generate(..., return_logits=True)``).
-    logits: list[torch.Tensor] | None = None
-    #: The generated tokens as text (special tokens skipped), when the LLM has a tokenizer.
-    text: str | None = None
-    #: The prompt as given, when it was text.
-    prompt: str | None = None
-    #: "length" (max_tokens reached) or "stop" (EOS or a stop token).
-    finish_reason: str | None = None
+__all__ = ["Request", "prompt_list"]
 
 
 @dataclass
@@ -50,6 +36,8 @@ class Request:
     params: Any = None
     #: Set when a stop token (or EOS) ended it before max_new_tokens.
     stopped: bool = False
+    #: Times the scheduler preempted it (each recomputes its KV from all its tokens).
+    num_preemptions: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

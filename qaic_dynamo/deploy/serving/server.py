@@ -1,23 +1,41 @@
 """DisaggregatedServer: a prefill worker and a decode worker sharing KV.
 
-Failures: a request that would not fit in ``ctx_len`` is rejected before any write; if
-the prefill worker dies, the requests it held fail with an error naming it while decode
-keeps serving the running ones (with ``"shm"``/``"copy"`` a new prefill worker takes the
-queued requests); stopping the server, cleanly or by an exception, unlinks every
-shared-memory segment.
+Failures:
+
+* a request that would not fit in ``ctx_len`` is rejected before any write, and sizes
+  (``ctx_len`` past the model's positions, buffers larger than ``/dev/shm``) before any
+  shared memory is made;
+* if the prefill worker dies, the requests it held fail with an error naming it while
+  decode keeps serving the running ones (with ``"shm"``/``"copy"`` a new prefill worker
+  takes the queued requests);
+* if the decode worker dies, ``generate`` returns every request that had finished with
+  its tokens and fails the others with an error naming it; the server must be stopped
+  and started again;
+* stopping the server, cleanly or by an exception, unlinks every shared-memory segment;
+  if the server's process dies without stopping it (SIGKILL), the workers notice at once,
+  unlink the segments and exit;
+* started from a script's top level without ``if __name__ == "__main__":`` (whose
+  spawned workers would import the script and start servers of their own), ``start``
+  raises an error saying so before any worker starts.
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import itertools
 import math
 import multiprocessing as mp
 import os
 import queue
+import shutil
+import signal
 import socket
 import statistics
+import sys
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,9 +220,11 @@ class DisaggregatedServer:
     def start(self) -> None:
         if self.buffers is not None:
             raise RuntimeError("DisaggregatedServer: already started; stop() it before starting it again")
+        _check_main_guard()
         self._unusable = None
+        flat, dtype, self.vocab = self._layout()
+        self._check_shared_memory(flat, dtype)
         try:
-            flat, dtype, self.vocab = self._layout()
             self.buffers = SharedKVBuffers(flat, dtype)
             # One writing process per queue: a worker killed while writing holds that queue's
             # write lock for good, and then only its own queues are stuck - jobs and its
@@ -225,7 +245,8 @@ class DisaggregatedServer:
                 name="qaic-decode",
                 args=(self.model, self.cfg, self.buffers.descriptor, self._handoff_queues, self._control, self._events),
             )
-            self._decode.start()
+            with _children_ignore_sigint():
+                self._decode.start()
             self._start_prefill()
             self._wait_for(lambda kind, who, payload: kind == "ready", {"prefill", "decode"}, "start")
         except BaseException:
@@ -236,11 +257,33 @@ class DisaggregatedServer:
         """The decode KV buffers (name -> shape), their dtype and the vocabulary size."""
         if self.exported is not None:
             return self.exported.buffer_shapes(self.cfg["slots"]), self.exported.dtype, self.exported.vocab
+        from qaic_dynamo.models import max_positions, max_positions_text
+
         probe = load_model(self.model)
+        positions = max_positions(probe)
+        if positions is not None and self.ctx_len > positions:
+            raise ValueError(
+                f"DisaggregatedServer: ctx_len={self.ctx_len} exceeds the model's {max_positions_text(probe)}; "
+                f"pass ctx_len <= {positions}"
+            )
         shapes = probe.kv_cache_shapes(self.cfg["slots"], self.ctx_len)
         names = kv_buffer_names(probe, self.cfg["kv_cache_prefix"])
         flat = {n: s for layer, ns in zip(probe.kv_cache_layers, names) for n, s in zip(ns, shapes[layer])}
         return flat, next(probe.parameters()).dtype, probe.vocab_size
+
+    def _check_shared_memory(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> None:
+        """Refuse buffers that /dev/shm cannot hold, before any is made."""
+        need = sum(math.prod(s) for s in shapes.values()) * torch.empty((), dtype=dtype).element_size()
+        try:
+            free = shutil.disk_usage("/dev/shm").free
+        except OSError:  # no /dev/shm to measure (another OS): the OS will say
+            return
+        if need > free:
+            raise ValueError(
+                f"DisaggregatedServer: the decode KV buffers need {need / 2**20:,.0f} MiB of shared memory "
+                f"(ctx_len={self.ctx_len} x decode_slots={self.cfg['slots']} x {len(shapes)} buffers) but /dev/shm "
+                f"has {free / 2**20:,.0f} MiB free; lower ctx_len or decode_slots"
+            )
 
     def _start_prefill(self) -> None:
         self._prefill = self._ctx.Process(
@@ -256,7 +299,8 @@ class DisaggregatedServer:
                 self._prefill_events,
             ),
         )
-        self._prefill.start()
+        with _children_ignore_sigint():
+            self._prefill.start()
 
     def _wait_for(self, match: Any, keys: set, what: str, on_other: Any = None) -> None:
         """Consume events until ``match`` has been true for every key (the event's second
@@ -451,9 +495,47 @@ class DisaggregatedServer:
             if self._prefill is not None and not self._prefill.is_alive():
                 self._prefill_died(at_prefill, free, waiting, on_event)
             if self._decode is not None and not self._decode.is_alive():
-                raise RuntimeError(f"DisaggregatedServer: the decode worker died (exit code {self._decode.exitcode})")
+                self._decode_died(waiting, at_prefill, active, on_event)
+                return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"DisaggregatedServer: requests not finished after {timeout:.0f} s")
+
+    def _decode_died(
+        self, waiting: list[Job], at_prefill: dict[int, Job], active: dict[int, Job], on_event: Any
+    ) -> None:
+        """Keep every result decode posted before it died; fail the rest, naming it."""
+        code = self._decode.exitcode
+        for kind, rid, payload in self._drain(self._events):
+            if kind in ("finished", "admitted", "lost") and (rid in active or rid in at_prefill):
+                on_event(kind, rid, payload)
+        reason = f"the decode worker died (exit code {code})"
+        for rid in [*at_prefill, *active, *(j.request_id for j in waiting)]:
+            self.results[rid].error = (
+                f"{reason} before request {rid} finished; it was not served (finished requests keep their "
+                "tokens); stop() and start() the server to serve again"
+            )
+        at_prefill.clear()
+        active.clear()
+        waiting.clear()
+        self._unusable = reason
+
+    @staticmethod
+    def _drain(q: Any, seconds: float = 2.0) -> list[tuple]:
+        """What ``q`` holds, read for at most ``seconds``: a writer killed mid-message can
+        leave a read blocked for good, so the read runs on a thread that is left behind."""
+        got: list[tuple] = []
+
+        def read() -> None:
+            while True:
+                try:
+                    got.append(q.get(timeout=0.2))
+                except (queue.Empty, OSError, EOFError):
+                    return
+
+        t = threading.Thread(target=read, name="qaic-drain", daemon=True)
+        t.start()
+        t.join(seconds)
+        return list(got)
 
     def _prefill_died(self, at_prefill: dict[int, Job], free: list[int], waiting: list[Job], on_event: Any) -> None:
         """Fail the requests the dead prefill worker held, never a slot decode still uses:
@@ -492,6 +574,67 @@ class DisaggregatedServer:
         self._start_prefill()
         self.restarts += 1
         self._wait_for(lambda kind, who, payload: kind == "ready", {"prefill"}, "restart", on_other=on_event)
+
+
+@contextlib.contextmanager
+def _children_ignore_sigint() -> Iterator[None]:
+    """Start processes with SIGINT ignored from their first instruction: a Ctrl-C reaches
+    the whole process group, and a worker still importing torch would die of it with a
+    traceback; the server stops its workers itself. An ignored signal stays ignored
+    across exec, and Python then installs no handler of its own."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _is_main_test(test: ast.expr) -> bool:
+    """``__name__ == "__main__"`` (either way round)."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [s.id for s in sides if isinstance(s, ast.Name)]
+    values = [s.value for s in sides if isinstance(s, ast.Constant)]
+    return names == ["__name__"] and values == ["__main__"]
+
+
+def _check_main_guard() -> None:
+    """Refuse a start from a script's top level outside ``if __name__ == "__main__":``.
+
+    The workers are spawned: each imports the main script again (as ``__mp_main__``), and
+    an unguarded start there would fail in every worker with Python's bootstrap error."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or not str(path).endswith(".py"):
+        return  # python -c, an interactive session, a frozen entry point: nothing re-imported
+    frame, top = sys._getframe(1), None
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "__main__" and frame.f_code.co_name == "<module>":
+            top = frame
+        frame = frame.f_back
+    if top is None:
+        return  # not called from the main script's top level (a function run by a guard, a thread)
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return
+    line = top.f_lineno
+    if any(
+        isinstance(node, ast.If) and _is_main_test(node.test) and node.lineno <= line <= (node.end_lineno or line)
+        for node in ast.walk(tree)
+    ):
+        return
+    raise RuntimeError(
+        f"DisaggregatedServer: started at the top level of {path} (line {line}) without an "
+        '`if __name__ == "__main__":` guard. The workers are spawned processes that import that script '
+        "again, and each would start a server of its own. Put the code that starts the server under "
+        '`if __name__ == "__main__":`.'
+    )
 
 
 def summarize(results: Sequence[RequestResult]) -> dict[str, float | None]:

@@ -72,6 +72,20 @@ class SharedKVBuffers:
             except BufferError:  # a view still alive elsewhere: the OS unmaps at exit
                 pass
 
+    @staticmethod
+    def unlink_names(descriptor: dict[str, Any]) -> None:
+        """Unlink the segments of ``descriptor`` (a worker whose server died does it)."""
+        for name in descriptor["segments"].values():
+            try:
+                seg = shared_memory.SharedMemory(name=name, create=False)
+            except FileNotFoundError:
+                continue
+            seg.close()
+            try:
+                seg.unlink()
+            except FileNotFoundError:
+                pass
+
     def unlink(self) -> None:
         for seg in self._segments.values():
             try:

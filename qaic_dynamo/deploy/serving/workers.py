@@ -1,8 +1,20 @@
-"""The prefill and decode worker processes of a disaggregated server."""
+"""The prefill and decode worker processes of a disaggregated server.
+
+A worker never outlives the server that spawned it: a thread waits on the parent's
+sentinel, and when the parent dies (killed, or stopped without cleaning up) the worker
+unlinks every shared-memory segment and exits at once, so nothing is left running or
+mapped. Workers ignore SIGINT: a Ctrl-C reaches the whole process group, and the server
+(the parent) stops them itself.
+"""
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import multiprocessing.connection
+import os
 import queue
+import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -27,8 +39,31 @@ class Job:
     decode_slot: int
 
 
+def watch_parent(descriptor: dict, say: bool = False) -> None:
+    """Exit this worker as soon as its parent dies, unlinking the shared memory first (the
+    parent cannot any more). Also ignore SIGINT (see the module docstring)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = mp.parent_process()
+    if parent is None:  # run in-process (tests): nothing to watch
+        return
+
+    def wait() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        SharedKVBuffers.unlink_names(descriptor)
+        if say:  # one worker says it, once
+            print(
+                f"qaic-dynamo: the server process (pid {parent.pid}) is gone; its workers exit and its shared memory "
+                "is released",
+                flush=True,
+            )
+        os._exit(1)
+
+    threading.Thread(target=wait, name="qaic-parent-watch", daemon=True).start()
+
+
 def prefill_worker(model: Any, cfg: dict, descriptor: dict, jobs: Any, handoffs: Any, events: Any) -> None:
     decode = transport = None
+    watch_parent(descriptor)
     try:  # everything inside: an error anywhere is posted, not left for the server to time out on
         torch.set_num_threads(cfg["threads"])
         decode = SharedKVBuffers.attach(descriptor) if cfg["transport"] != "gloo" else None
@@ -76,6 +111,7 @@ def prefill_worker(model: Any, cfg: dict, descriptor: dict, jobs: Any, handoffs:
 
 def decode_worker(model: Any, cfg: dict, descriptor: dict, handoff_queues: list, control: Any, events: Any) -> None:
     decode = transport = None
+    watch_parent(descriptor, say=True)
     try:  # everything inside: an error anywhere is posted, not left for the server to time out on
         torch.set_num_threads(cfg["threads"])
         decode = SharedKVBuffers.attach(descriptor)
