@@ -209,3 +209,34 @@ def test_the_cli_serves_a_built_in_model_with_its_byte_tokenizer(tmp_path):
         out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err[-2000:]
     assert f"serving llama at http://127.0.0.1:{port}/v1" in out and "qaic-dynamo serve: stopped by SIGTERM" in out
+
+
+def test_an_engine_thread_failure_reaches_every_waiting_request(model_dir, monkeypatch):
+    """An error outside a step (here: building the outputs) killed the engine thread and
+    left every client waiting forever while /health said 200."""
+    import asyncio
+
+    from qaic_dynamo.deploy.api_server import AsyncEngine
+    from qaic_dynamo.errors import EngineStepError
+
+    llm = LLM(str(model_dir), "eager", max_model_len=64)
+    engine = AsyncEngine(llm)
+    engine.start()
+
+    def broken(*args, **kwargs):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(llm.core, "output", broken)
+
+    async def ask() -> None:
+        async for _ in engine.generate(None, [5, 6, 7], SamplingParams(max_tokens=4)):
+            pass
+
+    try:
+        with pytest.raises(EngineStepError, match="the engine thread failed: KeyError: 'boom'"):
+            asyncio.run(asyncio.wait_for(ask(), 60))
+        assert engine.dead is not None
+        with pytest.raises(EngineStepError, match="restart the server"):
+            asyncio.run(asyncio.wait_for(ask(), 60))
+    finally:
+        engine.stop()

@@ -202,3 +202,48 @@ def test_four_threads_share_one_llm():
     for t in range(4):
         assert results[t] == [alone(p, 5 + t) for p in work[t]], t
     assert llm.num_free_blocks == llm.num_blocks
+
+
+def test_a_request_whose_token_cannot_be_picked_fails_alone_and_frees_its_blocks():
+    """A failure after the forward (NaN logits, a tokenizer refusing an id) advanced the
+    request without a token; the next step then failed every request batched with it."""
+    llm = LLM(MODEL, "eager", max_num_seqs=4, max_model_len=64)
+    good, bad = [5, 6, 7], [9, 9, 9, 9]
+    real = llm.sampler.pick
+
+    def pick(logits, params, generator, prompt_ids=(), output_ids=()):
+        if list(prompt_ids) == bad and len(output_ids) == 2:
+            raise FloatingPointError("logits are NaN")
+        return real(logits, params, generator, prompt_ids, output_ids)
+
+    llm.sampler.pick = pick
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with pytest.raises(RuntimeError, match=r"request \d+ failed: FloatingPointError: logits are NaN"):
+        llm.generate([good, bad], params)
+    assert llm.num_free_blocks == llm.num_blocks and not llm.scheduler.has_unfinished()
+    # In another thread's call, the good request is served while the bad one fails.
+    results = {}
+
+    def run_good() -> None:
+        results["good"] = llm.generate([good], params)[0].outputs[0].token_ids
+
+    t = threading.Thread(target=run_good)
+    with pytest.raises(RuntimeError, match="logits are NaN"):
+        t.start()
+        llm.generate([bad], params)
+    t.join(timeout=120)
+    assert results["good"] == alone(good, 6)
+
+
+def test_a_finished_sample_is_not_streamed_again():
+    llm = LLM(MODEL, "eager", max_model_len=64)
+    sampled = SamplingParams(max_tokens=8, n=2, temperature=1.0, seed=11, ignore_eos=True)
+    (free,) = llm.generate([[4, 5, 6]], sampled)
+    first, second = free.outputs[0].token_ids, free.outputs[1].token_ids
+    stop = next(t for t in first[:3] if t not in second)  # ends sample 0 early, not sample 1
+    params = SamplingParams(max_tokens=8, n=2, temperature=1.0, seed=11, ignore_eos=True, stop_token_ids=[stop])
+    ends: dict[int, int] = {}
+    for delta in llm.stream([[4, 5, 6]], params):
+        for o in delta.outputs:
+            ends[o.index] = ends.get(o.index, 0) + (o.finish_reason is not None)
+    assert ends == {0: 1, 1: 1}

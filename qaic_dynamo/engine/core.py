@@ -44,6 +44,8 @@ class _Sample:
     stop_reason: int | str | None = None
     #: Tokens (and logprobs) already sent as deltas.
     sent: int = 0
+    #: Its finish has been sent as a delta: later deltas leave it out.
+    final_sent: bool = False
 
 
 @dataclass
@@ -230,24 +232,34 @@ class EngineCore:
                 # Nothing is known to be in the cache from this step: fail every request in
                 # it rather than continue from a cache this step may have half written.
                 for r in requests:
-                    group, sample = self._owner[r.request_id]
-                    group.error = group.error or f"{type(e).__name__}: {e}".splitlines()[0]
-                    for s in group.samples:
-                        if s.finish_reason is None:
-                            s.finish_reason = "abort"
-                            self._finish(s)
-                    self.dirty.add(group.request_id)
+                    self._fail(self._owner[r.request_id][0], e)
                 raise
             self.num_steps += 1
             self.num_tokens += sum(counts)
             for i, (r, n) in enumerate(zip(requests, counts)):
                 group, sample = self._owner[r.request_id]
-                if i in rows:
-                    self._prompt_logprobs(group, r.num_computed_tokens, rows[i])
-                r.num_computed_tokens += n
-                if r.num_computed_tokens == r.num_tokens:
-                    self._next_token(group, sample, last[i])
+                if group.error is not None:
+                    continue  # a sample of its group failed earlier in this loop
+                try:
+                    if i in rows:
+                        self._prompt_logprobs(group, r.num_computed_tokens, rows[i])
+                    r.num_computed_tokens += n
+                    if r.num_computed_tokens == r.num_tokens:
+                        self._next_token(group, sample, last[i])
+                except Exception as e:
+                    # Picking or decoding its token failed (e.g. NaN logits, a tokenizer
+                    # refusing an id): only this request fails, named; the others go on.
+                    self._fail(group, e)
             return len(scheduled)
+
+    def _fail(self, group: _Group, error: BaseException) -> None:
+        """End every sample of ``group`` as "abort", freeing its blocks, with the reason."""
+        group.error = group.error or f"{type(error).__name__}: {error}".splitlines()[0]
+        for s in group.samples:
+            if s.finish_reason is None:
+                s.finish_reason = "abort"
+                self._finish(s)
+        self.dirty.add(group.request_id)
 
     def _prompt_logprobs(self, group: _Group, start: int, rows: torch.Tensor) -> None:
         """Row j predicts the prompt token at position start + j + 1."""
@@ -278,8 +290,8 @@ class EngineCore:
         if self.sampler.is_stop_token(token, params):
             reason, stop = "stop", token if token in params.stop_token_ids else None
             r.stopped = True
-        matched = sample.detokenizer.update(out, check_stop=len(out) >= params.min_tokens)
-        if matched is not None and reason is None:
+        matched = sample.detokenizer.update(out, check_stop=reason is None and len(out) >= params.min_tokens)
+        if matched is not None:
             reason, stop = "stop", matched
             r.stopped = True
         if reason is None and len(out) >= r.max_new_tokens:
@@ -299,6 +311,10 @@ class EngineCore:
             outputs = []
             for s in group.samples:
                 done = s.finish_reason is not None
+                if delta and s.final_sent:
+                    continue
+                if delta and done:
+                    s.final_sent = True
                 text = s.detokenizer.text if not delta else s.detokenizer.delta(done)
                 start = s.sent if delta else 0
                 tokens = s.request.output_token_ids[start:]

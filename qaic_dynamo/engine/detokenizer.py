@@ -6,9 +6,11 @@ match ends the request: the text is cut before the string (or after it with
 ``include_stop_str_in_output``), and the token ids stay as generated, up to the token
 that completed it, as vLLM does.
 
-Streaming sends only text that cannot change: a trailing U+FFFD (a character whose bytes
-are not all generated yet) is held back, and so are the last ``len(longest stop) - 1``
-characters while a stop string could still start there and be cut away.
+Streaming sends only text that cannot change. Text is decoded without transformers'
+clean-up of spaces, which rewrites earlier text as later tokens arrive. A trailing U+FFFD
+(a character whose bytes are not all generated yet) is held back, and so are the last
+``len(longest stop) - 1`` characters while a stop string could still start there and be
+cut away. A non-streaming response takes the final text, not the sum of the deltas.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ __all__ = ["Detokenizer", "decode"]
 
 
 def decode(tokenizer: Any, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-    """Text of ``token_ids``; a tokenizer with a plain ``decode(ids)`` (no
-    ``skip_special_tokens``) is accepted too."""
+    """Text of ``token_ids``, without transformers' clean-up of spaces (which rewrites
+    earlier text as later tokens arrive, e.g. "Hello ." -> "Hello."); a tokenizer with a
+    plain ``decode(ids)`` is accepted too."""
     try:
-        return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
     except TypeError as e:
-        if "skip_special_tokens" not in str(e):
+        if "skip_special_tokens" not in str(e) and "clean_up_tokenization_spaces" not in str(e):
             raise
         return tokenizer.decode(token_ids)
 
@@ -50,8 +53,9 @@ class Detokenizer:
         self.text = decode(self.tokenizer, token_ids, self.params.skip_special_tokens)
         if not check_stop or not self.params.stop:
             return None
-        start = max(0, min(before, len(self.text)) - self.longest_stop + 1)
-        hits = [(i, s) for s in self.params.stop if (i := self.text.find(s, start)) >= 0]
+        # Each string only where the new text could have completed it.
+        before = min(before, len(self.text))
+        hits = [(i, s) for s in self.params.stop if (i := self.text.find(s, max(0, before - len(s) + 1))) >= 0]
         if not hits:
             return None
         i, s = min(hits)
@@ -66,6 +70,6 @@ class Detokenizer:
                 end -= 1
             if self.params.stop and not self.params.include_stop_str_in_output:
                 end = max(self.sent, min(end, len(self.text) - self.longest_stop + 1))
-        out = self.text[self.sent : end]
+        out = self.text[self.sent : end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return out

@@ -294,6 +294,9 @@ class LLM:
                     self._step_for(pending)
                     ready = [rid for rid in ids if rid in pending and rid in self.core.dirty]
                     outs = [self.core.output(rid, delta=True) for rid in ready]
+                    errors = [(rid, self.core.error(rid)) for rid in ready if self.core.error(rid) is not None]
+                if errors:
+                    raise RuntimeError(f"stream: request {errors[0][0]} failed: {errors[0][1]}")
                 for out in outs:
                     if out.finished:
                         pending.discard(out.request_id)
@@ -385,6 +388,12 @@ class LLM:
             for rid in ids:
                 self.core.release(rid)
             raise
+        failed = [(rid, self.core.error(rid)) for rid in ids if self.core.error(rid) is not None]
+        if failed:
+            for rid in ids:
+                self.core.release(rid)
+            rid, error = failed[0]
+            raise RuntimeError(f"generate: request {rid} failed: {error}")
         self.stats = {
             "steps": self.core.num_steps - steps,
             "tokens": self.core.num_tokens - tokens,
@@ -396,10 +405,6 @@ class LLM:
         """One step, unless every request of ``pending`` is already finished (another
         thread may have stepped for them); under the core's lock. A request another
         thread's failing step aborted raises here, naming the error."""
-        for rid in pending:
-            error = self.core.error(rid)
-            if error is not None:
-                raise RuntimeError(f"generate: request {rid} failed in a step run for several requests: {error}")
         if all(self.core.is_finished(rid) for rid in pending):
             return
         if self.core.step() == 0:

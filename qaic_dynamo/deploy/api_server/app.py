@@ -31,16 +31,18 @@ from qaic_dynamo.deploy.api_server.async_engine import AsyncEngine
 from qaic_dynamo.deploy.api_server.metrics import ServerMetrics
 from qaic_dynamo.deploy.api_server.protocol import ChatCompletionRequest, CompletionRequest
 from qaic_dynamo.engine import LLM, CompletionOutput, RequestOutput, SamplingParams
-from qaic_dynamo.errors import BadRequestError, SamplingParamsError
+from qaic_dynamo.errors import BadRequestError, EngineStepError, SamplingParamsError
 
 __all__ = ["build_app"]
 
 
+def _error(message: str, param: str | None = None, code: str | None = None, status: int = 400) -> dict:
+    kind = "BadRequestError" if status < 500 else "InternalServerError"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code or status}}
+
+
 def _error_body(message: str, param: str | None = None, code: str | None = None, status: int = 400) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": "BadRequestError", "param": param, "code": code or status}},
-        status_code=status,
-    )
+    return JSONResponse(_error(message, param, code, status), status_code=status)
 
 
 class _Choice:
@@ -92,13 +94,17 @@ def build_app(llm: LLM, model_name: str) -> FastAPI:
         where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
         return _error_body(f"invalid request body: {where}: {first.get('msg', exc)}", where, "invalid_request")
 
+    @app.exception_handler(EngineStepError)
+    async def engine_failed(request: Request, exc: EngineStepError) -> JSONResponse:
+        return _error_body(str(exc), None, "engine_error", 500)
+
     @app.exception_handler(BadRequestError)
     async def bad_request(request: Request, exc: BadRequestError) -> JSONResponse:
         return _error_body(str(exc), exc.param, exc.code, exc.status)
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        return Response(status_code=503 if engine.dead is not None else 200)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -177,13 +183,23 @@ def build_app(llm: LLM, model_name: str) -> FastAPI:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def finish(choices: list[_Choice]) -> None:
-        for c in choices:
+    async def guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """A stream whose engine step failed ends with OpenAI's error object and [DONE]."""
+        try:
+            async for event in events:
+                yield event
+        except EngineStepError as e:
+            yield json.dumps(_error(str(e), None, "engine_error", 500))
+            yield "[DONE]"
+
+    def finish(requests: list[_Choice]) -> None:
+        """Count each request once (by its first sample's finish reason)."""
+        for c in requests:
             metrics.finished(c.finish_reason)
 
     def closing(body: Any, choices: list[_Choice], head: dict, usage: Any) -> list[str]:
         """A stream's last events: the usage chunk when asked for, then [DONE]."""
-        finish(choices)
+        finish(choices[:: max(1, body.n)])
         lines = []
         if body.stream_options is not None and body.stream_options.include_usage:
             lines.append(json.dumps({**head, "model": model_name, "choices": [], "usage": usage()}))
@@ -224,10 +240,10 @@ def build_app(llm: LLM, model_name: str) -> FastAPI:
             return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
         if not body.stream:
-            async for i, out in merged(runs):
+            async for i, out in merged(runs):  # one final, whole output per prompt
                 for o in out.outputs:
                     choices[i * n + o.index].add(o)
-            finish(choices)
+            finish(choices[::n])
             return {
                 "id": rid,
                 "object": "text_completion",
@@ -277,7 +293,7 @@ def build_app(llm: LLM, model_name: str) -> FastAPI:
             for line in closing(body, choices, {"id": rid, "object": "text_completion", "created": created}, usage):
                 yield line
 
-        return EventSourceResponse(events(), ping=3600)
+        return EventSourceResponse(guarded(events()), ping=3600)
 
     # -- /v1/chat/completions ----------------------------------------------------------------
     def chat_logprobs(delta_ids: list[int], entries: list[dict], top: int) -> dict:
@@ -316,17 +332,17 @@ def build_app(llm: LLM, model_name: str) -> FastAPI:
         checked(ids, params)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         choices = [_Choice(k) for k in range(params.n)]
-        run = engine.generate(None, ids, params, prefix="chatcmpl")
+        run = engine.generate(None, ids, params, prefix="chatcmpl", delta=body.stream)
 
         def usage() -> dict:
             completion = sum(len(c.token_ids) for c in choices)
             return {"prompt_tokens": len(ids), "completion_tokens": completion, "total_tokens": len(ids) + completion}
 
         if not body.stream:
-            async for out in run:
+            async for out in run:  # one final, whole output
                 for o in out.outputs:
                     choices[o.index].add(o)
-            finish(choices)
+            finish(choices[:1])
             return {
                 "id": rid,
                 "object": "chat.completion",
@@ -377,6 +393,6 @@ def build_app(llm: LLM, model_name: str) -> FastAPI:
             ):
                 yield line
 
-        return EventSourceResponse(events(), ping=3600)
+        return EventSourceResponse(guarded(events()), ping=3600)
 
     return app

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -26,6 +27,8 @@ from qaic_dynamo.engine import LLM, RequestOutput, SamplingParams
 from qaic_dynamo.errors import EngineStepError
 
 __all__ = ["AsyncEngine"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,6 +42,8 @@ class _Stream:
     last_token: float | None = None
     #: Seconds between consecutive output tokens of this request.
     gaps: list[float] = field(default_factory=list)
+    #: Deltas (streaming), or only the final cumulative output.
+    delta: bool = True
 
 
 class AsyncEngine:
@@ -57,6 +62,8 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        #: Why the engine thread stopped on an unexpected error (None: it runs).
+        self.dead: str | None = None
 
     def start(self) -> None:
         self._stopping = False
@@ -96,54 +103,78 @@ class AsyncEngine:
         with self._streams_lock:
             stream = self._streams.get(rid)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            except RuntimeError:  # its event loop is closed: nobody is waiting any more
+                pass
 
     def _loop(self) -> None:
         while not self._stopping:
-            with self.core.lock:
-                self._drain()
-                busy = self.core.has_unfinished()
-            if not busy:
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            with self.core.lock:
-                try:
-                    self.core.step()
-                except Exception:  # the core failed the requests of this step (core.error)
-                    pass
-                now = time.perf_counter()
+            try:
+                self._iteration()
+            except BaseException as e:  # a bug here must not leave every client waiting forever
+                logger.exception("qaic-dynamo: the engine thread failed")
+                self.dead = f"{type(e).__name__}: {e}".splitlines()[0]
                 with self._streams_lock:
                     streams = dict(self._streams)
-                ready = [rid for rid in streams if rid in self.core.dirty]
-                outs = [(rid, self.core.output(rid, delta=True), self.core.error(rid)) for rid in ready]
-            for rid, out, failed in outs:
-                stream = streams[rid]
-                new = sum(len(o.token_ids) for o in out.outputs)
-                if new:
-                    if stream.first_token is None:
-                        stream.first_token = now
-                    elif stream.last_token is not None:
-                        stream.gaps.append((now - stream.last_token) / max(1, len(out.outputs)))
-                    stream.last_token = now
-                    stream.tokens += new
-                    if self.on_token is not None:
-                        self.on_token(new)
-                item: Any = out
-                if failed is not None:
-                    item = EngineStepError(f"the engine step that ran this request failed: {failed}")
-                if out.finished and self.on_finish is not None:
-                    self.on_finish(stream, failed)
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+                for rid in streams:
+                    self._deliver(rid, EngineStepError(f"the engine thread failed: {self.dead}"))
+                return
+
+    def _iteration(self) -> None:
+        with self.core.lock:
+            self._drain()
+            busy = self.core.has_unfinished()
+        if not busy:
+            self._wake.wait(0.05)
+            self._wake.clear()
+            return
+        with self.core.lock:
+            try:
+                self.core.step()
+            except Exception:  # the core failed the requests of this step; they get the error
+                logger.warning("qaic-dynamo: an engine step failed", exc_info=True)
+            now = time.perf_counter()
+            with self._streams_lock:
+                streams = dict(self._streams)
+            ready = [rid for rid in streams if rid in self.core.dirty]
+            outs = [(rid, self.core.output(rid, delta=streams[rid].delta), self.core.error(rid)) for rid in ready]
+        for rid, out, failed in outs:
+            stream = streams[rid]
+            total = sum(len(o.token_ids) for o in out.outputs)
+            new = total if stream.delta else total - stream.tokens
+            if new:
+                if stream.first_token is None:
+                    stream.first_token = now
+                elif stream.last_token is not None:
+                    stream.gaps.append(now - stream.last_token)  # one token per sample per step
+                stream.last_token = now
+                stream.tokens += new
+                if self.on_token is not None:
+                    self.on_token(new)
+            if out.finished and self.on_finish is not None:
+                self.on_finish(stream, failed)
+            if failed is not None:
+                self._deliver(rid, EngineStepError(f"the engine step that ran this request failed: {failed}"))
+            elif stream.delta or out.finished:
+                self._deliver(rid, out)
 
     async def generate(
-        self, prompt: str | None, prompt_ids: list[int], params: SamplingParams, prefix: str = "cmpl"
+        self,
+        prompt: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prefix: str = "cmpl",
+        delta: bool = True,
     ) -> AsyncIterator[RequestOutput]:
-        """Deltas of one request until it finishes; cancelling the consumer aborts it.
-        A request that can never be served raises ValueError before anything is queued."""
+        """Deltas of one request until it finishes (``delta=False``: only its final,
+        whole output); cancelling the consumer aborts it. A request that can never be
+        served raises ValueError before anything is queued."""
+        if self.dead is not None:
+            raise EngineStepError(f"the engine thread failed ({self.dead}); restart the server")
         self.core.check_request(prompt_ids, params)
         rid = f"{prefix}-{next(self._ids)}"
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter(), delta=delta)
         stream.prompt_tokens = len(prompt_ids)
         with self._streams_lock:
             self._streams[rid] = stream

@@ -492,11 +492,12 @@ class DisaggregatedServer:
                 on_event(kind, rid, payload)
             except queue.Empty:
                 pass
-            if self._prefill is not None and not self._prefill.is_alive():
-                self._prefill_died(at_prefill, free, waiting, on_event)
+            # Decode first: a dead prefill worker's replacement needs a sync with decode.
             if self._decode is not None and not self._decode.is_alive():
                 self._decode_died(waiting, at_prefill, active, on_event)
                 return
+            if self._prefill is not None and not self._prefill.is_alive():
+                self._prefill_died(at_prefill, free, waiting, on_event)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"DisaggregatedServer: requests not finished after {timeout:.0f} s")
 
@@ -505,10 +506,14 @@ class DisaggregatedServer:
     ) -> None:
         """Keep every result decode posted before it died; fail the rest, naming it."""
         code = self._decode.exitcode
+        cause = ""
         for kind, rid, payload in self._drain(self._events):
             if kind in ("finished", "admitted", "lost") and (rid in active or rid in at_prefill):
                 on_event(kind, rid, payload)
-        reason = f"the decode worker died (exit code {code})"
+            elif kind == "worker_error":  # it failed and said why before it exited
+                lines = [ln for ln in str(payload).strip().splitlines() if ln.strip()]
+                cause = f": {lines[-1].strip()}" if lines else ""
+        reason = f"the decode worker died (exit code {code}){cause}"
         for rid in [*at_prefill, *active, *(j.request_id for j in waiting)]:
             self.results[rid].error = (
                 f"{reason} before request {rid} finished; it was not served (finished requests keep their "
@@ -589,7 +594,8 @@ def _children_ignore_sigint() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        # None: a handler installed outside Python, which cannot be put back; the default.
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
 
 
 def _is_main_test(test: ast.expr) -> bool:
@@ -608,16 +614,19 @@ def _check_main_guard() -> None:
     The workers are spawned: each imports the main script again (as ``__mp_main__``), and
     an unguarded start there would fail in every worker with Python's bootstrap error."""
     main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if not path or not str(path).endswith(".py"):
+    if not str(getattr(main, "__file__", "") or "").endswith(".py"):
         return  # python -c, an interactive session, a frozen entry point: nothing re-imported
     frame, top = sys._getframe(1), None
-    while frame is not None:
+    while frame is not None and top is None:  # the innermost module-level frame of __main__
         if frame.f_globals.get("__name__") == "__main__" and frame.f_code.co_name == "<module>":
             top = frame
         frame = frame.f_back
     if top is None:
         return  # not called from the main script's top level (a function run by a guard, a thread)
+    # Its own file: under a launcher (pdb, coverage, runpy) __main__.__file__ may be another.
+    path = top.f_code.co_filename
+    if not path.endswith(".py"):
+        return
     try:
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read())

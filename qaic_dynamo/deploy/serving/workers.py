@@ -49,14 +49,16 @@ def watch_parent(descriptor: dict, say: bool = False) -> None:
 
     def wait() -> None:
         multiprocessing.connection.wait([parent.sentinel])
-        SharedKVBuffers.unlink_names(descriptor)
-        if say:  # one worker says it, once
-            print(
-                f"qaic-dynamo: the server process (pid {parent.pid}) is gone; its workers exit and its shared memory "
-                "is released",
-                flush=True,
-            )
-        os._exit(1)
+        try:
+            SharedKVBuffers.unlink_names(descriptor)
+            if say:  # one worker says it, once
+                print(
+                    f"qaic-dynamo: the server process (pid {parent.pid}) is gone; its workers exit and its shared "
+                    "memory is released",
+                    flush=True,
+                )
+        finally:  # whatever failed above (a closed pipe, a permission), never outlive the parent
+            os._exit(1)
 
     threading.Thread(target=wait, name="qaic-parent-watch", daemon=True).start()
 
