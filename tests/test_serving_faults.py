@@ -137,24 +137,32 @@ def test_the_cli_stops_cleanly_on_sigterm_and_sigint_with_one_line(tmp_path, sig
     wait_gone(workers, segments, 5)
 
 
+def generate_killing_after_three_finish(server, prompts, max_tokens, pids):
+    """``server.generate``, SIGKILLing the processes ``pids()`` names once three requests
+    have finished."""
+
+    def killer():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if sum(r.finished is not None for r in server.results.values()) >= 3:
+                for pid in pids():
+                    os.kill(pid, signal.SIGKILL)
+                return
+            time.sleep(0.01)
+
+    t = threading.Thread(target=killer)
+    t.start()
+    results = server.generate(prompts, max_tokens)
+    t.join()
+    return results
+
+
 def test_a_killed_decode_worker_loses_no_finished_result_and_the_server_restarts():
     model = llama(2)
     prompts = [[3] * 4, [4] * 5, [5] * 6, [6] * 150, [7] * 150, [8] * 3]
     max_tokens = [2, 3, 2, 40, 40, 4]
     with DisaggregatedServer(model, decode_slots=2, ctx_len=CTX, chunk_size=8, backend="eager", chunk_delay=0.02) as s:
-
-        def killer():
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                if sum(r.finished is not None for r in s.results.values()) >= 3:
-                    os.kill(s._decode.pid, signal.SIGKILL)
-                    return
-                time.sleep(0.01)
-
-        t = threading.Thread(target=killer)
-        t.start()
-        results = s.generate(prompts, max_tokens)
-        t.join()
+        results = generate_killing_after_three_finish(s, prompts, max_tokens, lambda: [s._decode.pid])
         want = eager_tokens(model, prompts, max_tokens)
         done = [i for i, r in enumerate(results) if r.error is None]
         assert len(done) >= 3 and all(results[i].token_ids == want[i] for i in done)
@@ -220,20 +228,7 @@ def test_both_workers_dying_still_returns_the_finished_results():
     prompts = [[3] * 4, [4] * 5, [5] * 6, [6] * 150, [7] * 150]
     max_tokens = [2, 3, 2, 40, 40]
     with DisaggregatedServer(model, decode_slots=2, ctx_len=CTX, chunk_size=8, backend="eager", chunk_delay=0.02) as s:
-
-        def killer():
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                if sum(r.finished is not None for r in s.results.values()) >= 3:
-                    os.kill(s.prefill_pid, signal.SIGKILL)
-                    os.kill(s._decode.pid, signal.SIGKILL)
-                    return
-                time.sleep(0.01)
-
-        t = threading.Thread(target=killer)
-        t.start()
-        results = s.generate(prompts, max_tokens)
-        t.join()
+        results = generate_killing_after_three_finish(s, prompts, max_tokens, lambda: [s.prefill_pid, s._decode.pid])
     want = eager_tokens(model, prompts, max_tokens)
     done = [i for i, r in enumerate(results) if r.error is None]
     assert len(done) >= 3 and all(results[i].token_ids == want[i] for i in done)
