@@ -59,6 +59,7 @@ __all__ = [
     "maybe_mark_dynamic",
     "new_shape_env",
     "no_tracing_context",
+    "outside_trace",
     "pytree",
     "python_dispatcher",
     "quiet_exporter_registration",
@@ -125,6 +126,17 @@ def no_tracing_context() -> Any:
 def backed_size_oblivious() -> Any:
     """Trace so that size-like checks on backed sizes do not specialise them."""
     return torch.fx.experimental._config.patch(backed_size_oblivious=True)
+
+
+@contextlib.contextmanager
+def outside_trace() -> Any:
+    """Compute real tensors inside a decomposition that ``make_fx`` is tracing (neither
+    traced nor fake): what comes out enters the traced graph as a constant."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with disable_proxy_modes_tracing(), unset_fake_temporarily():
+        yield
 
 
 def python_dispatcher() -> Any:

@@ -43,7 +43,7 @@ from qaic_dynamo.compiler.dynamic_floats import PerFloatValue, dynamic_float_inp
 from qaic_dynamo.compiler.fingerprint import fingerprint
 from qaic_dynamo.compiler.partition import Piece, split_graph
 from qaic_dynamo.compiler.report import GraphReport, PieceReport, new_report
-from qaic_dynamo.compiler.views import peel_view_outputs
+from qaic_dynamo.compiler.views import aliased_outputs, peel_view_outputs
 from qaic_dynamo.config import CompilationConfig, qaic_compiler_path
 from qaic_dynamo.counter import compilation_counter
 from qaic_dynamo.errors import ConfigError, LoweringError
@@ -138,6 +138,12 @@ class QaicBackend:
         if views is not None:
             gm = views.inner
             report.view_outputs = views.views
+        aliased = aliased_outputs(gm)
+        if aliased is not None:  # keep eager's aliasing: the whole graph runs eagerly
+            report.eager = aliased
+            report.seconds["total"] = time.perf_counter() - t_start
+            logger.warning("qaic: graph %d runs eagerly: %s", report.graph_index, aliased)
+            return gm.forward if views is None else views.around(gm.forward)
 
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         example_values = [

@@ -64,6 +64,8 @@ class GraphReport:
     # Outputs rebuilt eagerly after the compiled graph, so that they stay views as in
     # eager (:func:`~qaic_dynamo.compiler.views.peel_view_outputs`): position -> base.
     view_outputs: dict[int, str] = field(default_factory=dict)
+    # Why the whole graph runs eagerly instead of being compiled (None: it is compiled).
+    eager: str | None = None
     # The split graph this report describes (weak: a report must not keep sessions alive).
     _module: Any = field(default=None, repr=False, compare=False)
 
@@ -106,6 +108,7 @@ class GraphReport:
                 if self.specialized_floats
                 else ""
             )
+            + (f"; RUNS EAGERLY: {self.eager}" if self.eager else "")
             + (
                 "; outputs rebuilt as views after it: "
                 + ", ".join(f"{i} of {base}" for i, base in self.view_outputs.items())
@@ -132,6 +135,7 @@ class GraphReport:
             "seconds": self.seconds,
             "specialized_floats": self.specialized_floats,
             "view_outputs": self.view_outputs,
+            "eager": self.eager,
         }
 
 

@@ -20,7 +20,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from qaic_dynamo._compat import FakeTensor
 
-__all__ = ["ViewOutputs", "peel_view_outputs"]
+__all__ = ["ViewOutputs", "aliased_outputs", "peel_view_outputs"]
 
 
 # Ops that may return a view of their first argument. Which of them does is read from
@@ -331,3 +331,25 @@ def _same_view(rebuilt: Any, traced: Any) -> bool:
         and rebuilt.dtype == traced.dtype
         and rebuilt.requires_grad == traced.requires_grad
     )
+
+
+def aliased_outputs(gm: fx.GraphModule) -> str | None:
+    """Why the graph's outputs cannot be compiled as new tensors, or None: two outputs
+    that share a storage in eager without one being a view of the other that
+    :func:`peel_view_outputs` rebuilt - ``y, y.relu_()`` (an in-place op returns its
+    input), ``y, y.unsqueeze(0).mul_(3)``. Compiled, they would come back as two tensors,
+    and a write to one would not reach the other."""
+    outs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    if not isinstance(outs, (tuple, list)):
+        return None
+    seen: dict[Any, tuple[int, fx.Node]] = {}
+    for i, o in enumerate(outs):
+        value = _value(o)
+        if not isinstance(o, fx.Node) or not isinstance(value, torch.Tensor) or o.op in ("placeholder", "get_attr"):
+            continue
+        storage = StorageWeakRef(value.untyped_storage())
+        if storage in seen and seen[storage][1] is not o:
+            j, other = seen[storage]
+            return f"outputs {j} ({other.name}) and {i} ({o.name}) share one tensor's memory through an in-place op"
+        seen.setdefault(storage, (i, o))
+    return None

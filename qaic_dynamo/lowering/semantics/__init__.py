@@ -18,6 +18,7 @@ from qaic_dynamo.lowering.semantics.attention import masked_attention, open_sdpa
 from qaic_dynamo.lowering.semantics.division import div_mode, floor_divide, integer_rest, remainder
 from qaic_dynamo.lowering.semantics.elementwise import atan2, expm1, integer_pow, log1p
 from qaic_dynamo.lowering.semantics.indexing import arange, index_add_in_float32, index_put_in_float32, scatter_reduce
+from qaic_dynamo.lowering.semantics.linear_algebra import addmm_maybe_empty_inner
 from qaic_dynamo.lowering.semantics.normalization import batch_norm_no_training, layer_norm_in_float32
 from qaic_dynamo.lowering.semantics.reduced_floats import (
     in_float32,
@@ -31,11 +32,15 @@ from qaic_dynamo.lowering.semantics.reductions import (
     exact_integer_sum,
     float32_cumsum,
     integer_isclose,
+    mean_of_all_maybe_empty,
     mean_of_maybe_empty,
     reduce_all_dims,
     refuse_integer_prod,
+    var_of_maybe_few,
 )
 from qaic_dynamo.lowering.semantics.refusals import refusal, refuse_divisor_override
+from qaic_dynamo.lowering.semantics.resampling import antialiased_resize
+from qaic_dynamo.lowering.semantics.special import erfc, erfcx, signbit
 
 __all__ = ["TORCH_SEMANTICS", "open_sdpa"]
 
@@ -73,6 +78,14 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
     _aten.isclose.default: integer_isclose,
     _aten.cumsum.default: float32_cumsum,
     _aten.mean.dim: mean_of_maybe_empty,
+    _aten.mean.default: mean_of_all_maybe_empty,
+    torch.ops.prims.var.default: var_of_maybe_few,
+    _aten.addmm.default: addmm_maybe_empty_inner,
+    _aten.special_erfcx.default: erfcx,
+    _aten.erfc.default: erfc,
+    _aten.signbit.default: signbit,
+    _aten._upsample_bilinear2d_aa.default: antialiased_resize(_aten._upsample_bilinear2d_aa.default),
+    _aten._upsample_bicubic2d_aa.default: antialiased_resize(_aten._upsample_bicubic2d_aa.default),
     _aten.sum.default: exact_integer_sum,
     _aten.sum.dim_IntList: exact_integer_sum,
     _aten.prod.default: refuse_integer_prod,

@@ -1,6 +1,6 @@
 """Reductions as eager computes them: integer sums exactly, float32 cumsum in double,
-means over empty dims, ``any`` over nothing, ``amax``/``amin`` over every dim, and
-integer ``isclose`` and ``prod``."""
+means over empty dims, variances over too few elements, ``any`` over nothing,
+``amax``/``amin`` over every dim, and integer ``isclose`` and ``prod``."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ __all__ = [
     "float32_cumsum",
     "integer_isclose",
     "mean_of_maybe_empty",
+    "mean_of_all_maybe_empty",
+    "var_of_maybe_few",
     "reduce_all_dims",
     "refuse_integer_prod",
 ]
@@ -88,6 +90,28 @@ def mean_of_maybe_empty(x: Any, dim: Any, keepdim: bool = False, *, dtype: Any =
     if out in REDUCED:  # eager sums in float32, divides, then rounds once
         return (torch.sum(x, dims, keepdim=keepdim, dtype=torch.float32) / count).to(out)
     return torch.sum(x, dims, keepdim=keepdim, dtype=dtype) / count
+
+
+def mean_of_all_maybe_empty(x: Any, *, dtype: Any = None) -> Any:
+    """``x.mean()`` over every element, as :func:`mean_of_maybe_empty` (eager: NaN for none)."""
+    return mean_of_maybe_empty(x, list(range(x.dim())), False, dtype=dtype)
+
+
+def var_of_maybe_few(x: Any, dims: Any, correction: Any = 1, *, output_dtype: Any = None) -> Any:
+    """``prims.var`` (under var, std and their _mean forms) over dims that may hold no more
+    than ``correction`` elements, as eager divides: by ``max(N - correction, 0)``, so NaN
+    for no elements (the translation gave 0 or -0) and inf or NaN for too few. Dims of a
+    known size above the correction keep the translation."""
+    dims = reduced_dims(x, dims)
+    sizes = [x.shape[d] for d in dims] if x.dim() else []
+    if all(isinstance(n, int) for n in sizes) and math.prod(sizes) > correction:
+        return NotImplemented
+    if not x.is_floating_point():
+        return NotImplemented
+    ones = torch.ones_like(x)
+    mean = x.sum(dims, keepdim=True) / ones.sum(dims, keepdim=True)  # NaN over nothing
+    squares = ((x - mean) ** 2).sum(dims)
+    return squares / (ones.sum(dims) - correction).clamp(min=0)
 
 
 def exact_integer_sum(x: Any, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Any:
