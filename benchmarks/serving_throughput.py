@@ -31,6 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import demo_llama, markdown_table, save_results  # noqa: E402
 
+from qaic_dynamo.deploy.serving import percentile  # noqa: E402  (the servers' own definition)
+
 METHODS = ["scheduler", "scheduler-eager", "static"]
 
 
@@ -44,11 +46,6 @@ def workload(n: int, vocab: int, rate: float, seed: int = 0) -> list[tuple[float
         max_tokens = min(160, max(4, int(rng.expovariate(1 / 40))))
         out.append((t, prompt, max_tokens))
     return out
-
-
-def percentile(values: list[float], q: float) -> float:
-    v = sorted(values)
-    return v[min(len(v) - 1, int(q * len(v)))]
 
 
 def summary(arrivals, firsts, lasts, counts, start, end) -> dict:

@@ -182,6 +182,11 @@ class CompilationConfig:
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None = None) -> CompilationConfig:
+        if options is not None and not isinstance(options, Mapping):
+            raise ConfigError(
+                f"qaic options must be a dict of option name -> value (e.g. {{'fallback': 'error'}}), got "
+                f"{type(options).__name__} {options!r}; valid options are: {', '.join(cls.valid_keys())}"
+            )
         options = dict(options or {})
         unknown = sorted(set(options) - set(cls.valid_keys()))
         if unknown:

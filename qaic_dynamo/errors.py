@@ -41,6 +41,7 @@ __all__ = [
     "KVSliceError",
     "LoweringError",
     "PieceRunError",
+    "PrecompileError",
     "QaicCompileError",
     "QaicError",
     "SamplingParamsError",
@@ -76,6 +77,11 @@ class ArtifactError(QaicError, RuntimeError):
 
 class PieceRunError(QaicError, RuntimeError):
     """A compiled piece could not run (a binding or ONNX Runtime failure)."""
+
+
+class PrecompileError(QaicError, RuntimeError):
+    """A region's saved trace cannot be saved or loaded (the message says why); the region
+    is traced by Dynamo instead."""
 
 
 class CacheLayoutError(QaicError, ValueError):

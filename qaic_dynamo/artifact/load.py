@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +72,8 @@ def load(path: Path, num_threads: int | None = None) -> Artifact:
         try:
             session = create_session(path / ONNX_FILE, threads)
         except Exception as e:
-            raise ArtifactError(f"ONNX Runtime could not load {path / ONNX_FILE}: {str(e).splitlines()[0]}") from e
+            first = str(e).splitlines()[0]
+            raise ArtifactError(f"ONNX Runtime could not load {path / ONNX_FILE}: {first}{_why(first, layout)}") from e
         # Inputs and outputs are bound by name and position from the layout: a layout
         # that does not describe this model would bind tensors to the wrong inputs.
         for kind, declared, actual in (
@@ -85,3 +87,17 @@ def load(path: Path, num_threads: int | None = None) -> Artifact:
                 )
     shapes = [shape_function(o["shape"], layout.symbols) for o in layout.outputs]
     return Artifact(path, layout, session, shapes, dtypes, threads, symbol_leaves)
+
+
+def _why(message: str, layout: PieceLayout) -> str:
+    """What a missing kernel means for a reduced-float piece: ONNX Runtime's CPU kernels
+    lack many ops in bfloat16 / float16 (MatMul, Gemm, ...), so the piece runs eagerly
+    in that dtype; said plainly, with the way to lower it."""
+    missing = re.search(r"Could not find an implementation for (\w+)\((\d+)\)", message)
+    reduced = sorted({str(t.get("dtype")) for t in [*layout.inputs, *layout.outputs]} & {"bfloat16", "float16"})
+    if missing is None or not reduced:
+        return ""
+    return (
+        f" (ONNX Runtime's CPU kernels have no {missing.group(1)} for {' / '.join(reduced)}: this piece runs "
+        f"eagerly in {' / '.join(reduced)}; run the model in float32 to lower it)"
+    )

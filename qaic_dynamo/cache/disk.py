@@ -7,7 +7,7 @@ stored under the cache root and a later process loads it instead of exporting:
                                  hash inputs), meta.json (sizes + sha256 of every file),
                                  and later the qaic-compile output (qpc/)
     <root>/v1/tmp/               entries being written
-    <root>/v1/locks/<key>.lock   one compiler per key at a time
+    <root>/v1/locks/<key>.lock   one compiler per key at a time (removed once free)
     <root>/v1/last_run.json      hit / miss counts of the last process that used the cache
 
 Keys are structural fingerprints, which cover the config hash (every field that changes
@@ -314,6 +314,26 @@ class DiskCache:
             yield
         finally:
             lock.release()
+            self._remove_lock_file(lock_dir / f"{key}.lock")
+
+    @staticmethod
+    def _remove_lock_file(path: Path) -> None:
+        """Remove a key's lock file once nobody holds it, so that the cache's file count
+        stays bounded with its size. A process that opened the file just before it goes
+        then locks an orphan and may compile the key at the same time as another: the
+        lock only saves duplicate work (the commit's atomic rename keeps one entry)."""
+        try:
+            fd = _try_flock(path)
+        except OSError:
+            return
+        if fd is None:  # another process holds it (or waits on it): it will remove it
+            return
+        try:
+            path.unlink()
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
     def _writer_token(self) -> str:
         """This process's writer token, whose lock it holds until it exits. Made again if

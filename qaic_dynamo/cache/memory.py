@@ -143,6 +143,26 @@ class CompileCache:
         )
         return CacheResult(Source.FAILED, failure=failure, key=key)
 
+    def lookup(self, key: str, *, disk: DiskCache | None, num_threads: int) -> Artifact | None:
+        """The artifact for ``key`` if this process or the disk has it, else None; never
+        compiles (a saved graph rebuilt on load knows its pieces' keys, not how to lower them)."""
+        with self._lock:
+            artifact = self._sessions.get((key, num_threads))
+            known = self._paths.get(key)
+        if artifact is not None:
+            return artifact
+        if known is not None:
+            try:
+                artifact = load(known, num_threads)
+            except ArtifactError:
+                with self._lock:
+                    self._paths.pop(key, None)
+            else:
+                self._remember(key, artifact)
+                return artifact
+        result = self._from_disk(disk, key, num_threads) if disk is not None else None
+        return result.artifact if result is not None else None
+
     def _get_or_compile_key(
         self,
         key: str,

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
+from pathlib import Path
 
 from qaic_dynamo.cache import DiskCache
 from qaic_dynamo.config import CompilationConfig
@@ -30,7 +33,23 @@ def _when(t: float) -> str:
 
 def cache_command(args: argparse.Namespace) -> int:
     cfg = CompilationConfig.from_options({"cache_dir": args.cache_dir} if args.cache_dir else {})
-    cache = DiskCache(cfg.resolved_cache_dir(), cfg.cache_size_limit)
+    root = Path(cfg.resolved_cache_dir())
+    if args.cache_dir is not None and not root.is_dir():
+        # A typo would otherwise read as an empty cache (0 entries, success).
+        what = "is a file, not a directory" if root.exists() else "does not exist"
+        print(f"qaic-dynamo cache: --cache-dir {root} {what}", file=sys.stderr)
+        return 2
+    try:
+        rc = _run(args, cfg, DiskCache(str(root), cfg.cache_size_limit))
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return rc
+    except BrokenPipeError:  # `cache list | head`: the reader has what it wanted
+        # Python would report the pipe again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _run(args: argparse.Namespace, cfg: CompilationConfig, cache: DiskCache) -> int:
     if args.action == "info":
         entries = cache.entries()
         print(f"location  {cache.root}")

@@ -27,6 +27,7 @@ import json
 import logging
 import time
 import uuid
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -188,7 +189,15 @@ class QaicBackend:
             weakref.finalize(split.graph_module, artifact_cache.forget, tuple(graph_keys))
         logger.info("%s", report.table())
         if self.config.dump_dir:
-            self._dump(report, split.pieces)
+            try:
+                self._dump(report, split.pieces)
+            except OSError as e:  # a debugging aid: never the reason a compile fails (as cache_dir)
+                warnings.warn(
+                    f"qaic: could not write the dump of graph {report.graph_index} to dump_dir={self.config.dump_dir!r} "
+                    f"({type(e).__name__}: {e}); the graph is compiled without it",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         # The bound forward, not the module: Dynamo wraps what a backend returns in
         # ``torch._dynamo.disable``, and a module gets an OptimizedModule around it (a
         # context manager and nn.Module's call path) on every call - once per layer and
@@ -276,6 +285,9 @@ class QaicBackend:
             entry.artifact = str(result.artifact.path)
             entry.exporter_fallback = result.artifact.layout.stats.get("exporter_fallback")
             runner = PieceRunner(result.artifact, piece.graph_module, self.config, label)
+            # What rebuilds the runner when a saved trace is loaded (compiler.saved_graph):
+            # only a key the disk may hold.
+            runner.cache_key = None if fp.unkeyed_ops or self.disk is None else result.key
             # Grad mode itself is checked by the runner per call (cheap, and whatever
             # switched it before the call counts).
             runner.differentiable = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)

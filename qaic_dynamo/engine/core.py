@@ -124,6 +124,12 @@ class EngineCore:
                 f"generate: {what} needs {need} KV blocks of {self.runner.block_size} tokens but the cache has "
                 f"only {self.runner.num_blocks}; raise num_blocks"
             )
+        outside = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if outside:
+            raise ValueError(
+                f"generate: stop_token_ids {outside[:5]} are outside the vocabulary [0, {self.vocab_size}): the model "
+                "can never generate them"
+            )
         if params.stop and self.tokenizer is None:
             raise ValueError(
                 f"generate: stop strings {list(params.stop)} are matched on text, and this LLM has no tokenizer; "

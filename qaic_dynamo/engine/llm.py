@@ -132,6 +132,12 @@ class LLM:
                 raise ValueError(f"LLM: {name} must be a positive int, got {value!r}")
         if not is_seed(seed):  # checked before the model loads, not by torch at the end
             raise ValueError(f"LLM: seed must be {SEED_RANGE}, got {seed!r}")
+        dtype = _dtype(dtype)
+        if compile_options is not None and not isinstance(compile_options, dict):
+            raise ValueError(
+                f"LLM: compile_options must be a dict of qaic option name -> value (e.g. {{'fallback': 'error'}}), "
+                f"got {type(compile_options).__name__} {compile_options!r}"
+            )
         source, model = model, load_model(model, layer_agnostic_kv_update=layer_agnostic_kv_update, dtype=dtype)
         model.eval()
         # As vLLM: positions past the model's trained range are refused, not run.
@@ -424,6 +430,19 @@ class LLM:
         return self.runner.forward(requests, [r.num_tokens - r.num_computed_tokens for r in requests])[0]
 
 
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def _dtype(dtype: Any) -> torch.dtype | None:
+    """``dtype`` as a torch dtype: one, or its name ("float16", "torch.bfloat16", as vLLM
+    takes it); anything else is refused naming the valid ones."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"LLM: dtype must be a torch dtype or one of {sorted(_DTYPES)}, got {dtype!r}")
+
+
 def _load_tokenizer(model: Any, tokenizer: Any) -> Any:
     """The tokenizer given, loaded from the path given, or the model directory's own."""
     import os
@@ -441,6 +460,13 @@ def _load_tokenizer(model: Any, tokenizer: Any) -> Any:
     if isinstance(tokenizer, (str, os.PathLike)):
         from transformers import AutoTokenizer
 
+        if not Path(tokenizer).is_dir():
+            # transformers would read it as a hub repo id ("Repo id must be ..."): nothing
+            # is downloaded here, so a tokenizer is a local directory.
+            raise ValueError(
+                f"LLM: tokenizer {str(tokenizer)!r} is not a directory; pass a local directory with tokenizer files "
+                "(tokenizer.json or tokenizer_config.json), or a tokenizer object"
+            )
         return AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
     if not (hasattr(tokenizer, "encode") and hasattr(tokenizer, "decode")):
         raise TypeError(f"LLM: tokenizer must have encode/decode or be a path, got {type(tokenizer).__name__}")

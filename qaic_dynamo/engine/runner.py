@@ -59,6 +59,9 @@ class ModelRunner:
         elif backend == "qaic":
             from qaic_dynamo.compiler import compile as compile_regions
             from qaic_dynamo.compiler import specialized_floats
+            from qaic_dynamo.config import CompilationConfig
+
+            CompilationConfig.from_options(compile_options)  # bad options now, not at the first step
 
             if regional:
                 self.fn = compile_regions(model, **(compile_options or {}))

@@ -130,6 +130,18 @@ class ExportPair:
     seconds: dict[str, float]
 
 
+def _check_out_dir(out_dir: str | os.PathLike) -> None:
+    """Refuse, before anything is traced, an output root that cannot hold directories."""
+    path = Path(out_dir).expanduser()
+    for parent in (path, *path.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise ExportError(f"the output directory {path} cannot be made: {parent} is a file")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise ExportError(f"the output directory {path} cannot be made: {parent} is not writable")
+            return
+
+
 def _options(
     batch_size: int,
     prefill_seq_len: int,
@@ -174,6 +186,7 @@ def export_for_qaic(
     """
     t_start = time.perf_counter()
     opts = _options(batch_size, prefill_seq_len, ctx_len, kv_cache_prefix, layerwise, options)
+    _check_out_dir(out_dir)
     say = progress or (lambda stage, done, total: None)
     prepared = prepare(model, opts)
     built = build(prepared, opts, say)
@@ -208,6 +221,7 @@ def export_prefill_decode(
         raise ExportError("export_prefill_decode writes both artifacts; pass prefill_only to export_for_qaic instead")
     t_start = time.perf_counter()
     opts = _options(batch_size, prefill_seq_len, ctx_len, kv_cache_prefix, layerwise, options)
+    _check_out_dir(out_dir)
     say = progress or (lambda stage, done, total: None)
     prepared = prepare(model, opts)
     built = build(prepared, opts, say)

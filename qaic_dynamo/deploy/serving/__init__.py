@@ -42,7 +42,7 @@ buffers), :mod:`.session`, :mod:`.exported`, :mod:`.transports`, :mod:`.workers`
 
 from qaic_dynamo.deploy.serving.exported import ExportedModel, OrtSession
 from qaic_dynamo.deploy.serving.kv_slices import KVSliceSpec, kv_buffer_names
-from qaic_dynamo.deploy.serving.server import DisaggregatedServer, RequestResult, summarize
+from qaic_dynamo.deploy.serving.server import DisaggregatedServer, RequestResult, percentile, summarize
 from qaic_dynamo.deploy.serving.session import ExecutionSlot, Session, SlicedSession
 from qaic_dynamo.deploy.serving.shm import SharedKVBuffers
 from qaic_dynamo.deploy.serving.transports import KVTransport
@@ -61,5 +61,6 @@ __all__ = [
     "SharedKVBuffers",
     "SlicedSession",
     "kv_buffer_names",
+    "percentile",
     "summarize",
 ]

@@ -49,7 +49,7 @@ from qaic_dynamo.deploy.serving.workers import Job, decode_worker, prefill_worke
 from qaic_dynamo.engine import BACKENDS, SamplingParams, is_token_id
 from qaic_dynamo.models import load_model
 
-__all__ = ["MAX_PREFILL_RESTARTS", "DisaggregatedServer", "RequestResult", "summarize"]
+__all__ = ["MAX_PREFILL_RESTARTS", "DisaggregatedServer", "RequestResult", "percentile", "summarize"]
 
 
 @dataclass
@@ -646,6 +646,15 @@ def _check_main_guard() -> None:
     )
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile (0 < q <= 1): the smallest value with at least a
+    ``q`` share of the values at or below it. The one definition every figure here uses."""
+    if not values or not 0 < q <= 1:
+        raise ValueError(f"percentile: need values and 0 < q <= 1, got {len(values)} values and q={q}")
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
 def summarize(results: Sequence[RequestResult]) -> dict[str, float | None]:
     """Request and failure counts, TTFT median / p90 (s), decode tokens/s and KV bytes moved
     per hand-off (None when no request was served)."""
@@ -668,7 +677,7 @@ def summarize(results: Sequence[RequestResult]) -> dict[str, float | None]:
         "requests": len(results),
         "failed": len(results) - len(ok),
         "ttft_median_s": statistics.median(ttfts),
-        "ttft_p90_s": ttfts[min(len(ttfts) - 1, math.ceil(0.9 * len(ttfts)) - 1)],
+        "ttft_p90_s": percentile(ttfts, 0.9),
         "decode_tokens_per_s": decode_tokens / max(1e-9, end - start),
         "kv_bytes_per_handoff": statistics.mean(r.kv_bytes_moved for r in ok),
         "wall_s": end - start,
