@@ -106,6 +106,15 @@ class CompilationConfig:
             "ignore it."
         ),
     )
+    precompile: bool = field(
+        default=True,
+        metadata=_doc(
+            "qaic_dynamo.compile saves each region's Dynamo trace in the persistent cache "
+            "(Dynamo's aot_compile) and a restart loads it instead of tracing; the guards "
+            "Dynamo cannot save, and the source files the trace read, are re-checked before "
+            "a saved trace runs. Needs cache=True and region_dispatch='guarded'."
+        ),
+    )
     cache: bool = field(
         default=True,
         metadata=_doc(

@@ -59,6 +59,14 @@ class CompilationCounter:
     num_guarded_region_calls: int = 0
     #: Calls of a region that entered through torch.compile's wrapper.
     num_dynamo_region_calls: int = 0
+    #: Regions whose saved Dynamo trace was loaded instead of traced (precompile).
+    num_precompiled_loads: int = 0
+    #: Regions traced with Dynamo's aot_compile so their trace can be saved.
+    num_precompiled_traces: int = 0
+    #: Saved traces written to the persistent cache (on a worker thread).
+    num_precompiled_saves: int = 0
+    #: Saved traces found stale (a source file, a dropped guard changed) and discarded.
+    num_precompiled_discards: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def counts(self) -> dict[str, int]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 import types
 import warnings
 from collections.abc import Callable
@@ -37,21 +38,25 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 __all__ = [
+    "AotFrame",
     "DynamoInternals",
     "FakeTensor",
     "FakeTensorMode",
     "TESTED_TORCH",
     "TorchOnnxInternals",
+    "aot_compile_frame",
     "backed_size_oblivious",
     "check_private_api",
     "compile_session",
     "detect_fake_mode",
     "dynamo_compile_lock",
     "dynamo_config_patch",
+    "dropped_guard_types",
     "dynamo_disabled",
     "dynamo_internals",
     "dynamo_recompile_limit",
     "dynamo_reset",
+    "load_aot_frame",
     "free_symbols",
     "int_oo",
     "len_torch_dispatch_stack",
@@ -306,6 +311,75 @@ def dynamo_internals() -> DynamoInternals | None:
     ):
         return None
     return DynamoInternals(**found)
+
+
+# --- Dynamo's precompile (aot_compile) -------------------------------------------------------
+
+
+class AotFrame:
+    """A frame traced by Dynamo's ``aot_compile``: ``fn`` (the transformed bytecode as a
+    function, the backend's output installed in its globals), ``guard_manager`` (the guards
+    Dynamo kept; ``check(f_locals)``) and :meth:`serialize`.
+
+    Wraps ``torch._dynamo.aot_compile.AOTCompiledFunction``; its ``__call__`` is not used
+    (it binds the signature with ``inspect`` and raises on a guard failure)."""
+
+    def __init__(self, compiled: Any) -> None:
+        self._compiled = compiled
+        self.fn = compiled.fn
+        self.guard_manager = compiled._artifacts.guard_manager
+
+    def serialize(self, closure: dict[str, Any]) -> bytes:
+        """The saved frame; ``closure`` maps ``cell<i>`` to the contents of the traced
+        function's closure cells, which are saved by reference (modules, wrapped
+        functions) and passed again to :func:`load_aot_frame`."""
+        return type(self._compiled).serialize(self._compiled, closure).serialized_data
+
+
+def dropped_guard_types() -> tuple[str, ...]:
+    """The guard types Dynamo cannot serialize (every guard on a global is dropped too)."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    return tuple(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+
+
+def aot_compile_frame(
+    func: Callable[..., Any], example: tuple[tuple, dict[str, Any]], backend: Callable[..., Any]
+) -> tuple[AotFrame, list[Any], list[str]]:
+    """Trace ``func`` on ``example`` (args, kwargs) whole with ``aot_compile``.
+
+    Returns the frame, the guard entries Dynamo dropped (each with ``name``, its source
+    expression, and ``value``) and the source files the trace read. ``backend``'s output
+    must follow Dynamo's ``SerializableCallable`` protocol; its class is registered as one
+    here. Raises what Dynamo raises (a graph break is ``torch._dynamo.exc.Unsupported``)."""
+    from torch._dynamo.aot_compile_types import SerializableCallable
+
+    unsupported = dropped_guard_types()
+    dropped: list[Any] = []
+
+    def guard_filter(entries: list[Any]) -> list[bool]:
+        keep = [not (g.is_global or g.guard_type in unsupported) for g in entries]
+        dropped.extend(g for g, k in zip(entries, keep) if not k and g.has_value)
+        return keep
+
+    def registering_backend(gm: Any, example_inputs: Any) -> Any:
+        out = backend(gm, example_inputs)
+        SerializableCallable.register(type(out))
+        return out
+
+    compiled = torch.compile(
+        func, fullgraph=True, backend=registering_backend, options={"guard_filter_fn": guard_filter}
+    ).aot_compile(example)
+    files = sorted({s.module for s in compiled.source_info().inlined_sources})
+    paths = [getattr(sys.modules.get(m), "__file__", None) for m in files]
+    return AotFrame(compiled), dropped, [p for p in paths if p]
+
+
+def load_aot_frame(data: bytes, closure: dict[str, Any]) -> AotFrame:
+    """A frame :meth:`AotFrame.serialize` saved, loaded in this process."""
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    return AotFrame(AOTCompiledFunction.deserialize(data, external_closure_data=closure))
 
 
 # --- torch.onnx's exporter internals --------------------------------------------------------

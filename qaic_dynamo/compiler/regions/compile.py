@@ -29,6 +29,7 @@ Like ``nn.Module.compile``, this compiles in place and returns the model.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,6 +40,7 @@ from qaic_dynamo._compat import dynamo_internals, maybe_mark_dynamic
 from qaic_dynamo.compiler.collector import collector_paused
 from qaic_dynamo.compiler.regions.dispatch import GuardedDispatch
 from qaic_dynamo.compiler.regions.plan import plan_regions
+from qaic_dynamo.compiler.regions.precompile import RegionPrecompile
 from qaic_dynamo.compiler.regions.settings import region_config
 from qaic_dynamo.config import CompilationConfig
 from qaic_dynamo.counter import compilation_counter
@@ -97,6 +99,18 @@ class CompiledRegion(nn.Module):
             if compiled_code is not None:
                 compilation_counter.bump(num_guarded_region_calls=1)
                 return compiled_code(*args, **kwargs)
+        precompiled = self.dispatch.precompiled if self.dispatch is not None else None
+        if precompiled is not None and not precompiled.tried:
+            f_locals = self.dispatch.direct_call_locals(args, kwargs)
+            if f_locals is not None:
+                with region_config(), collector_paused():
+                    # marks the dynamic dims only if it traces: a loaded entry's guards
+                    # check that a tensor is marked as it was when traced
+                    precompiled.prepare(self.module, args, kwargs, f_locals)
+                compiled_code = self.dispatch.lookup(args, kwargs)
+                if compiled_code is not None:
+                    compilation_counter.bump(num_guarded_region_calls=1)
+                    return compiled_code(*args, **kwargs)
         compilation_counter.bump(num_dynamo_region_calls=1)
         breaks = self.dispatch.graph_breaks() if self.dispatch is not None else 0
         mark_dynamic_dims(args, kwargs)
@@ -173,19 +187,29 @@ def compile(model: nn.Module, **options: Any) -> nn.Module:  # noqa: A001  (mirr
             "CompiledRegion modules); compile the original model once, or pass a fresh copy"
         )
     plan = plan_regions(model)
+    internals = dynamo_internals() if config.region_dispatch == "guarded" else None
+    # Saved traces need guarded dispatch (it runs them) and the persistent cache (it keeps them).
+    precompile = config.precompile and config.cache and internals is not None
 
-    for _, blocks in plan.blocks:
+    for path, blocks in plan.blocks:
+        shared: dict[types.FunctionType, RegionPrecompile] = {}  # one saved trace per forward code
         for i, block in enumerate(blocks):
             compiled = torch.compile(block, backend="qaic", options=dict(options))
-            internals = dynamo_internals() if config.region_dispatch == "guarded" else None
             dispatch = GuardedDispatch.for_block(block, compiled, internals) if internals is not None else None
+            if precompile and dispatch is not None:
+                func = type(block).forward
+                if func not in shared:
+                    shared[func] = RegionPrecompile(func, True, config, f"block {type(block).__name__} ({path})")
+                dispatch.precompiled = shared[func]
             blocks[i] = CompiledRegion(block, compiled, dispatch)
     for parent, name, path in plan.rest:
         module = getattr(parent, name)
         entry = region_entry(module, path)
         compiled = torch.compile(entry, backend="qaic", options=dict(options))
-        internals = dynamo_internals() if config.region_dispatch == "guarded" else None
         dispatch = GuardedDispatch.for_function(entry, module, compiled, internals) if internals is not None else None
+        if precompile and dispatch is not None:
+            label = f"region {path} ({type(module).__name__})"
+            dispatch.precompiled = RegionPrecompile(entry, False, config, label, identity=type(module))
         setattr(parent, name, CompiledRegion(module, compiled, dispatch))
     return model
 

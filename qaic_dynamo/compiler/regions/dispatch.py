@@ -127,6 +127,10 @@ class GuardedDispatch:
         self._backend_matches: dict[int, tuple[Any, bool]] = {}  # id -> (entry backend, equal to ours)
         self._kwdefaults: tuple = ()  # (name, value) pairs the binder was built with
         self._thread = threading.local()  # .miss: cache entries at this thread's last miss
+        #: The region's saved trace (compiler.regions.precompile), checked before Dynamo's
+        #: entries; shared by every module running this code.
+        self.precompiled: Any = None
+        self._precompiled_fn: tuple[Callable | None, Callable | None] = (None, None)
 
     @classmethod
     def for_block(cls, block: nn.Module, compiled: Any, internals: DynamoInternals) -> GuardedDispatch:
@@ -181,6 +185,11 @@ class GuardedDispatch:
         f_locals = self._frame_locals(args, kwargs)
         if f_locals is None:
             return None
+        precompiled = self.precompiled
+        if precompiled is not None and precompiled.frame is not None:
+            fn = precompiled.check(f_locals)
+            if fn is not None:
+                return None if hooked else self._precompiled_function(fn)
         for entry in entries:
             # An entry Dynamo invalidated keeps a guard manager that passes, and no backend.
             if entry.backend is None or not self._same_backend(entry.backend):
@@ -189,6 +198,37 @@ class GuardedDispatch:
                 return None if hooked else self._function(entry.code)
         self._thread.miss = len(entries)
         return None
+
+    def _precompiled_function(self, fn: Callable) -> Callable:
+        known, bound = self._precompiled_fn
+        if known is not fn:
+            bound = types.MethodType(fn, self.module) if self.method else fn
+            self._precompiled_fn = (fn, bound)
+        return bound
+
+    def direct_call_locals(self, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+        """The frame locals of this call if it could run compiled code directly (what
+        :meth:`lookup` checks before the entries: default stance, no trace in progress, no
+        hooks, ``forward`` as compiled), else None. A region's first call loads or traces
+        its saved entry only then."""
+        internals, module = self._internals, self.module
+        if not internals.stance_is_default() or torch.compiler.is_compiling() or torch.jit.is_tracing():
+            return None
+        if (
+            module._forward_hooks
+            or module._forward_pre_hooks
+            or module._backward_hooks
+            or module._backward_pre_hooks
+            or any(internals.global_hooks)
+        ):
+            return None
+        if self.method and (
+            type(module).forward is not self.func or "forward" in module.__dict__ or not _calls_forward_plainly(module)
+        ):
+            return None
+        if self.func.__code__ is not self.code:
+            return None
+        return self._frame_locals(args, kwargs)
 
     def _same_backend(self, backend: Any) -> bool:
         """Dynamo's backend match: the same object, or an equal one. Every block but the

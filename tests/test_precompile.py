@@ -1,0 +1,215 @@
+"""Precompiled regions (compiler/regions/precompile.py): a restart loads each region's
+saved Dynamo trace instead of tracing, gives the traced path's outputs bit for bit, and
+re-traces - never runs stale code - when a guard Dynamo could not save, or a source
+file the trace read, has changed.
+
+Each scenario is a fresh process (tests/precompile_child.py) against a copy of one cache
+that a first process filled.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import qaic_dynamo
+from qaic_dynamo import compilation_counter
+from qaic_dynamo.compiler.regions.precompile import DroppedGuards, describe, wait_for_saves
+
+CHILD = Path(__file__).parent / "precompile_child.py"
+REGIONS = 5  # the decoder block, embeddings, rotary embedding, final norm, head
+
+
+def child(cache: Path, model: str, patch: str = "none") -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(CHILD), str(cache), model, patch], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory) -> tuple[Path, dict]:
+    cache = tmp_path_factory.mktemp("precompile") / "cache"
+    return cache, child(cache, "llama")
+
+
+@pytest.fixture
+def warm_cache(cold, tmp_path) -> Path:
+    cache = tmp_path / "cache"
+    shutil.copytree(cold[0], cache)
+    return cache
+
+
+def test_cold_start_traces_each_region_once_and_saves_it(cold):
+    counts = cold[1]["counts"]
+    assert counts["num_precompiled_traces"] == counts["num_precompiled_saves"] == REGIONS
+    assert counts["num_graphs_seen"] == REGIONS  # the saved trace is the only trace
+    assert "num_dynamo_region_calls" not in counts
+    assert cold[1]["max_diff"] < 1e-5
+
+
+def test_restart_loads_every_region_without_dynamo_and_matches_bit_for_bit(cold, warm_cache):
+    warm = child(warm_cache, "llama")
+    assert warm["counts"]["num_precompiled_loads"] == REGIONS
+    for traced in ("num_graphs_seen", "num_precompiled_traces", "num_dynamo_region_calls", "num_onnx_exports"):
+        assert traced not in warm["counts"]
+    assert warm["sha256"] == cold[1]["sha256"]
+
+
+@pytest.mark.parametrize("patch", ["rotary", "attention"])
+def test_a_replaced_global_retraces_the_block(cold, warm_cache, patch):
+    """transformers' apply_rotary_pos_emb replaced, or another function registered as the
+    "qaic" attention: guards Dynamo drops from a saved trace."""
+    warm = child(warm_cache, "llama", patch)
+    counts = warm["counts"]
+    assert counts["num_precompiled_discards"] == 1 and counts["num_precompiled_traces"] == 1
+    assert counts["num_precompiled_loads"] == REGIONS - 1
+    assert warm["max_diff"] < 1e-5  # against eager with the same patch
+    assert warm["sha256"] != cold[1]["sha256"]
+
+
+def test_a_change_in_this_process_retraces_at_the_next_step(warm_cache):
+    warm = child(warm_cache, "llama", "rotary-later")
+    assert warm["counts"]["num_precompiled_loads"] == REGIONS
+    assert warm["counts"]["num_precompiled_discards"] == 1
+    assert warm["counts"]["num_dynamo_region_calls"] >= 1
+    assert warm["first_diff"] < 1e-5 and warm["max_diff"] < 1e-5
+
+
+def test_two_processes_warm_start_at_once(cold, warm_cache):
+    procs = [
+        subprocess.Popen([sys.executable, str(CHILD), str(warm_cache), "llama"], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    results = []
+    for p in procs:
+        out, _ = p.communicate(timeout=600)
+        assert p.returncode == 0
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    for r in results:
+        assert r["counts"]["num_precompiled_loads"] == REGIONS
+        assert r["sha256"] == cold[1]["sha256"]
+
+
+USER_MODEL = """
+import torch
+import torch.nn as nn
+
+SCALE = 2.0
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + torch.relu(self.lin(x)) * SCALE
+
+
+class Net(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(n))
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+"""
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        ("torch.relu", "torch.sigmoid"),
+        ("SCALE = 2.0", "SCALE = 3.0"),
+        ("        super", "        # a comment\n        super"),
+    ],
+    ids=["code", "global-constant", "comment"],
+)
+def test_a_change_to_a_traced_source_file_retraces(tmp_path, edit):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "userblocks.py").write_text(USER_MODEL)
+    cache = tmp_path / "cache"
+    first = child(cache, f"user:{src}")
+    assert first["counts"]["num_precompiled_saves"] == 2
+    assert child(cache, f"user:{src}")["counts"]["num_precompiled_loads"] == 2
+    (src / "userblocks.py").write_text(USER_MODEL.replace(*edit))
+    edited = child(cache, f"user:{src}")
+    # The block traces again (its stale entry is discarded, or - an edit that moves its
+    # forward - under a key of its own); the head is torch's Linear, whose trace loads.
+    assert edited["counts"]["num_precompiled_traces"] == 1
+    assert edited["counts"]["num_precompiled_loads"] == 1
+    assert edited["max_diff"] < 1e-5
+
+
+# --- in this process --------------------------------------------------------------------------
+
+
+class Breaking(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return torch.relu(self.lin(x))
+
+
+def test_a_region_with_a_graph_break_is_traced_by_dynamo(tmp_path):
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.ModuleList([Breaking(), Breaking()]))
+    model.forward = lambda x: model[0][1](model[0][0](x))
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        eager = model(x)
+        qaic_dynamo.compile(model, cache_dir=str(tmp_path))
+        with compilation_counter.expect(num_precompiled_traces=0, num_precompiled_saves=0):
+            out = model(x)
+    wait_for_saves()
+    torch.testing.assert_close(out, eager)
+
+
+def test_precompile_off_traces_with_dynamo(tmp_path):
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)]))
+    model.forward = lambda x: model[0][1](model[0][0](x))
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        eager = model(x)
+        qaic_dynamo.compile(model, cache_dir=str(tmp_path), precompile=False)
+        with compilation_counter.expect(num_precompiled_traces=0, num_precompiled_loads=0):
+            out = model(x)
+    torch.testing.assert_close(out, eager)
+
+
+def scaled(x):
+    return x * 2
+
+
+def test_dropped_guards_compare_what_an_object_is_not_where_it_lives():
+    g = {"f": scaled, "n": 3}
+    guards = DroppedGuards.record([_Entry("G['f']"), _Entry("G['n']"), _Entry("x.shape")], {"x": torch.ones(2)}, g)
+    assert guards.mismatch({"x": torch.ones(2)}) is None
+    g["f"] = lambda x: x * 2  # same behaviour, another function
+    assert "G['f'] changed" in guards.mismatch({"x": torch.ones(2)})
+    g["f"] = scaled
+    g["n"] = 4
+    assert "G['n'] changed" in guards.mismatch({"x": torch.ones(2)})
+    assert describe(torch.ops.qaic) == describe(torch.ops.qaic)
+
+
+class _Entry:
+    def __init__(self, name: str) -> None:
+        self.name = name
