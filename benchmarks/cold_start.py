@@ -15,8 +15,13 @@ Dynamo tracing and backend time. Methods:
   floor      backend="eager": Dynamo alone, the floor no backend can beat
   onnx       a whole-model torch.onnx.export(dynamo=True) at the same depth (plain
              transformers with SDPA): what a QEfficient-style flow pays to get ONNX
-  warm       regional in a second fresh process whose persistent cache a first
-             (unmeasured) regional process filled: a restart of the same model
+  regional-traced  regional without saved traces (precompile=False): the cold start
+             before precompiled regions, against which ``regional``'s extra cost is read
+  warm       regional-traced in a second fresh process whose persistent cache a first
+             (unmeasured) regional-traced process filled: a restart that traces every
+             region with Dynamo again and loads the pieces from disk
+  aot-warm   regional in a second fresh process after a first regional one: a restart
+             that loads each region's saved Dynamo trace (precompile) and traces nothing
 
 Figures are medians over --repeats fresh processes; per-layer, inductor and onnx run only
 at --expensive-layers. Prints a table and the ratios of issue 10's targets, writes JSON +
@@ -46,7 +51,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-METHODS = ["regional", "qaic", "warm", "per-layer", "inductor", "floor", "onnx"]
+METHODS = ["regional", "regional-traced", "qaic", "warm", "aot-warm", "per-layer", "inductor", "floor", "onnx"]
+REGIONAL = ("regional", "regional-traced", "warm", "aot-warm")
+#: The regional methods that save and load traces (precompile) and the ones that do not.
+PRECOMPILED = ("regional", "aot-warm")
 EXPENSIVE = {"per-layer", "inductor", "onnx"}
 TARGETS = {  # name: (description, predicate on the figure)
     "flat_32": ("regional(32)/regional(2) <= 1.2", lambda r: r <= 1.2),
@@ -57,6 +65,10 @@ TARGETS = {  # name: (description, predicate on the figure)
     "piece": ("one unique piece's lowering, median <= 0.3 s", lambda r: r <= 0.3),
     "backend": ("qaic(32) - floor(32) <= 1.5 s", lambda r: r <= 1.5),
     "warm": ("warm(32) <= 1.5 s", lambda r: r <= 1.5),
+    "aot_warm": ("aot-warm(32) <= 0.3 s", lambda r: r <= 0.3),
+    "aot_warm_128": ("aot-warm(128) <= 0.35 s", lambda r: r <= 0.35),
+    "aot_vs_cold": ("aot-warm(32)/regional(32) <= 0.15", lambda r: r <= 0.15),
+    "aot_cold_cost": ("regional(32)/regional-traced(32) <= 1.05", lambda r: r <= 1.05),
 }
 
 
@@ -110,7 +122,7 @@ def child(method: str, layers: int, hidden: int, vocab: int) -> dict:
         model, backend="eager", layer_agnostic_kv_update=(method != "per-layer"), max_num_seqs=2, max_model_len=64
     )
     backend_s = [0.0]
-    qaic_methods = ("qaic", "per-layer", "regional", "warm")
+    qaic_methods = ("qaic", "per-layer", *REGIONAL)
 
     def timed(inner):
         def backend(gm, example_inputs):
@@ -121,10 +133,10 @@ def child(method: str, layers: int, hidden: int, vocab: int) -> dict:
 
         return backend
 
-    if method in ("regional", "warm"):
+    if method in REGIONAL:
         import qaic_dynamo
 
-        compiled = qaic_dynamo.compile(llm.model)
+        compiled = qaic_dynamo.compile(llm.model, precompile=method in PRECOMPILED)
     else:
         if method in ("qaic", "per-layer"):
             from qaic_dynamo.compiler import qaic_backend
@@ -166,7 +178,7 @@ def child(method: str, layers: int, hidden: int, vocab: int) -> dict:
     t0 = time.perf_counter()
     call(compiled)
     run = time.perf_counter() - t0
-    if method in ("regional", "warm"):  # the backend calls of every region
+    if method in REGIONAL:  # the backend calls of every region
         from qaic_dynamo.compiler import compile_reports
 
         backend_s[0] = sum(r.seconds["total"] for r in compile_reports())
@@ -181,6 +193,7 @@ def child(method: str, layers: int, hidden: int, vocab: int) -> dict:
         unique_pieces=compilation_counter.num_backend_compilations - before.num_backend_compilations,
         onnx_exports=compilation_counter.num_onnx_exports - before.num_onnx_exports,
         disk_hits=compilation_counter.num_disk_cache_hits - before.num_disk_cache_hits,
+        precompiled_loads=compilation_counter.num_precompiled_loads - before.num_precompiled_loads,
     )
     if method in qaic_methods:
         from qaic_dynamo.cache import Source
@@ -221,8 +234,9 @@ def run_child(method: str, layers: int, hidden: int, vocab: int, timeout: float)
                 str(vocab),
             ]
 
-        if method == "warm":  # a first process fills the cache; the measured one restarts
-            first = subprocess.run(cmd("regional"), env=env, capture_output=True, text=True, timeout=timeout)
+        if method in ("warm", "aot-warm"):  # a first process fills the cache; the measured one restarts
+            filler = "regional" if method == "aot-warm" else "regional-traced"
+            first = subprocess.run(cmd(filler), env=env, capture_output=True, text=True, timeout=timeout)
             if first.returncode != 0:
                 raise RuntimeError(f"warm-up of warm at {layers} layers failed:\n{first.stderr[-3000:]}")
         proc = subprocess.run(cmd(method), env=env, capture_output=True, text=True, timeout=timeout)
@@ -301,7 +315,7 @@ def main() -> None:
                 s = run_child(m, L, hidden, vocab, args.timeout)
                 samples[m][L].append(s)
                 extra = ""
-                if m in ("qaic", "per-layer", "warm", "regional"):
+                if m in ("qaic", "per-layer", *REGIONAL):
                     extra = (
                         f", {s['graphs']} graphs, {s['unique_pieces']} lowered, {s['disk_hits']} from disk, "
                         f"{s['exporter_fallbacks']} exporter fallbacks"
@@ -348,7 +362,7 @@ def main() -> None:
         rows,
     )
     split_rows = []
-    for m in ("regional", "qaic", "warm", "per-layer", "inductor", "floor"):
+    for m in ("regional", "regional-traced", "qaic", "warm", "aot-warm", "per-layer", "inductor", "floor"):
         if m in samples:
             for L in layers:
                 if samples[m][L]:
@@ -410,6 +424,10 @@ def main() -> None:
     if at("qaic", 32) is not None and at("floor", 32) is not None:
         figure("backend", at("qaic", 32) - at("floor", 32))
     figure("warm", at("warm", 32))
+    figure("aot_warm", at("aot-warm", 32))
+    figure("aot_warm_128", at("aot-warm", 128))
+    figure("aot_vs_cold", div(at("aot-warm", 32), at("regional", 32)))
+    figure("aot_cold_cost", div(at("regional", 32), at("regional-traced", 32)))
     ratio_lines = [
         f"{TARGETS[k][0].split(' <=')[0].split(' >=')[0]:<45} {v:7.2f}   target {TARGETS[k][0]}: "
         f"{'met' if verdicts[k] else 'MISSED'}"

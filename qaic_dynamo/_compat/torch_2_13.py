@@ -359,7 +359,7 @@ def aot_compile_frame(
 
     def guard_filter(entries: list[Any]) -> list[bool]:
         keep = [not (g.is_global or g.guard_type in unsupported) for g in entries]
-        dropped.extend(g for g, k in zip(entries, keep) if not k and g.has_value)
+        dropped.extend(g for g, k in zip(entries, keep) if not k)
         return keep
 
     def registering_backend(gm: Any, example_inputs: Any) -> Any:

@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from qaic_dynamo.cache import DiskCache, artifact_cache
@@ -34,7 +35,7 @@ from qaic_dynamo.runtime import PieceRunner
 
 __all__ = ["SavedGraph", "loading_config"]
 
-_FORMAT = 1
+_FORMAT = 2
 _loading = threading.local()
 
 
@@ -76,8 +77,9 @@ class SavedGraph:
         modules = {}
         for name, child in split.named_children():
             if isinstance(child, PieceRunner):
-                runners[name] = (child.cache_key, child.label, child.differentiable)
-                modules[name] = child.eager
+                eager = child.eager.data if isinstance(child.eager, _LazyGraph) else pickle.dumps(child.eager)
+                runners[name] = (child.cache_key, child.label, child.differentiable, eager)
+                modules[name] = torch.nn.Module()  # a stand-in (a leaf to fx), replaced on load
             else:
                 modules[name] = child
         # A copy whose pieces are their eager graphs: the runners are rebuilt on load.
@@ -95,15 +97,33 @@ class SavedGraph:
         graph: fx.GraphModule = state["graph"]
         disk = DiskCache.get(config.resolved_cache_dir(), config.cache_size_limit) if config.cache else None
         threads = config.num_threads or _torch_threads()
-        for name, (key, label, differentiable) in state["runners"].items():
+        for name, (key, label, differentiable, eager) in state["runners"].items():
             artifact = artifact_cache.lookup(key, disk=disk, num_threads=threads)
             if artifact is None:
                 raise PrecompileError(f"{label}: its artifact {key[:12]} is no longer in the cache")
-            runner = PieceRunner(artifact, getattr(graph, name), config, label)
+            runner = PieceRunner(artifact, _LazyGraph(eager), config, label)
             runner.cache_key = key
             runner.differentiable = differentiable
             setattr(graph, name, runner)
         return cls(graph.forward, config)
+
+
+class _LazyGraph:
+    """A runner's eager graph, unpickled at its first call: it runs only if ONNX Runtime
+    fails the piece, and unpickling a GraphModule traces its code again (most of a
+    saved graph's load time, were every piece's unpickled up front)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self._graph: fx.GraphModule | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, *args: Any) -> Any:
+        if self._graph is None:
+            with self._lock:
+                if self._graph is None:
+                    self._graph = pickle.loads(self.data)
+        return self._graph(*args)
 
 
 def _why_not_savable(compiled: Callable[..., Any]) -> str | None:

@@ -24,6 +24,9 @@ ONNX_ELEMENT_TYPES: dict[torch.dtype, int] = {
     torch.float64: onnx.TensorProto.DOUBLE,
     torch.int64: onnx.TensorProto.INT64,
     torch.int32: onnx.TensorProto.INT32,
+    torch.int16: onnx.TensorProto.INT16,
+    torch.int8: onnx.TensorProto.INT8,
+    torch.uint8: onnx.TensorProto.UINT8,
     torch.bool: onnx.TensorProto.BOOL,
 }
 

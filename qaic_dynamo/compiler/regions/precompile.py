@@ -19,9 +19,10 @@ name, file, line and bytecode; a class or module by name; a dict by its keys; a 
 by value). With them goes a digest of every source file the trace read, as vLLM keys its
 AOT cache. A loaded entry runs only if all of them hold; in the process that traced or
 loaded it they are checked again once per forward context (once per model step). Anything
-that changed - a source file, a replaced function, another attention function - sends the
-region back to Dynamo, which traces it afresh; the stale entry is discarded, and the new
-trace replaces it on disk.
+that changed - a source file, a replaced function, another attention function - discards
+the stale entry and traces afresh: found at load, the region traces with ``aot_compile``
+again and its new trace is saved in place of the old; found in a running process, the
+region goes to Dynamo, as it would without precompile.
 
 An entry is used only through guarded dispatch (``region_dispatch="guarded"``), which
 runs it after the same checks it makes for Dynamo's own entries (no hooks, no stance,
@@ -158,20 +159,26 @@ class DroppedGuards:
                 continue
             seen.add(entry.name)
             try:
-                found = cls._eval(compile(entry.name, "<guard>", "eval"), f_locals, f_globals)
+                found = cls._probe(compile(entry.name, "<guard>", "eval"), f_locals, f_globals)
             except Exception as e:
                 raise PrecompileError(f"the dropped guard on {entry.name} cannot be re-checked ({e})") from e
-            checks.append((entry.name, describe(found)))
+            checks.append((entry.name, found))
         return cls(checks, f_globals)
 
     @staticmethod
-    def _eval(code: types.CodeType, f_locals: dict[str, Any], f_globals: dict[str, Any]) -> Any:
-        return eval(code, {"G": _Globals(f_globals), "__builtins__": builtins}, dict(f_locals))
+    def _probe(code: types.CodeType, f_locals: dict[str, Any], f_globals: dict[str, Any]) -> Any:
+        """What the expression finds: the value's description, or - for a guard that
+        something is absent (``not hasattr(x, "y")``, a missing key) - which lookup failed."""
+        try:
+            value = eval(code, {"G": _Globals(f_globals), "__builtins__": builtins}, dict(f_locals))
+        except (AttributeError, KeyError, IndexError) as e:
+            return ["missing", type(e).__name__]
+        return describe(value)
 
     def mismatch(self, f_locals: dict[str, Any]) -> str | None:
         for expr, code, want in self._compiled:
             try:
-                found = describe(self._eval(code, f_locals, self._globals))
+                found = self._probe(code, f_locals, self._globals)
             except Exception as e:
                 return f"{expr} cannot be evaluated now ({type(e).__name__}: {e})"
             if found != want:

@@ -16,7 +16,7 @@ import torch
 
 from qaic_dynamo.lowering.semantics.attention import masked_attention, open_sdpa
 from qaic_dynamo.lowering.semantics.division import div_mode, floor_divide, integer_rest, remainder
-from qaic_dynamo.lowering.semantics.elementwise import atan2, expm1, integer_pow, log1p
+from qaic_dynamo.lowering.semantics.elementwise import atan2, expm1, integer_pow, log1p, nan_ignoring
 from qaic_dynamo.lowering.semantics.indexing import arange, index_add_in_float32, index_put_in_float32, scatter_reduce
 from qaic_dynamo.lowering.semantics.linear_algebra import addmm_maybe_empty_inner
 from qaic_dynamo.lowering.semantics.normalization import batch_norm_no_training, layer_norm_in_float32
@@ -40,6 +40,16 @@ from qaic_dynamo.lowering.semantics.reductions import (
 )
 from qaic_dynamo.lowering.semantics.refusals import refusal, refuse_divisor_override
 from qaic_dynamo.lowering.semantics.resampling import antialiased_resize
+from qaic_dynamo.lowering.semantics.scalar_reductions import (
+    aminmax_of_scalar,
+    first_of,
+    identity_of_scalar,
+    logical_all_of_scalar,
+    norm_of_scalar,
+    squeeze_sized,
+    sum_of_scalar,
+    topk_of_scalar,
+)
 from qaic_dynamo.lowering.semantics.special import erfc, erfcx, signbit
 
 __all__ = ["TORCH_SEMANTICS", "open_sdpa"]
@@ -57,8 +67,20 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
     _aten.index_add.default: index_add_in_float32,
     _aten.index_put.default: index_put_in_float32,
     _aten.expm1.default: expm1,
-    _aten.amax.default: reduce_all_dims(_aten.amax.default),
-    _aten.amin.default: reduce_all_dims(_aten.amin.default),
+    _aten.amax.default: first_of(identity_of_scalar, reduce_all_dims(_aten.amax.default)),
+    _aten.amin.default: first_of(identity_of_scalar, reduce_all_dims(_aten.amin.default)),
+    _aten.aminmax.default: aminmax_of_scalar,
+    _aten.topk.default: topk_of_scalar,
+    _aten.all.dim: logical_all_of_scalar,
+    _aten.all.dims: logical_all_of_scalar,
+    _aten.linalg_vector_norm.default: norm_of_scalar,
+    **{
+        op: squeeze_sized
+        for op in (_aten.squeeze.dim, _aten.squeeze.dims, _aten.squeeze_copy.dim, _aten.squeeze_copy.dims)
+    },
+    torch.ops.prims.fmax.default: nan_ignoring(largest=True),
+    torch.ops.prims.fmin.default: nan_ignoring(largest=False),
+    torch.ops.prims.signbit.default: lambda x: signbit(x) if x.is_floating_point() else x < 0,
     _aten.floor_divide.default: floor_divide,
     _aten.floor_divide.Scalar: floor_divide,
     _aten.remainder.Tensor: remainder,
@@ -77,7 +99,7 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
     _aten.pow.Scalar: integer_pow,
     _aten.isclose.default: integer_isclose,
     _aten.cumsum.default: float32_cumsum,
-    _aten.mean.dim: mean_of_maybe_empty,
+    _aten.mean.dim: first_of(identity_of_scalar, mean_of_maybe_empty),
     _aten.mean.default: mean_of_all_maybe_empty,
     torch.ops.prims.var.default: var_of_maybe_few,
     _aten.addmm.default: addmm_maybe_empty_inner,
@@ -87,9 +109,9 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
     _aten._upsample_bilinear2d_aa.default: antialiased_resize(_aten._upsample_bilinear2d_aa.default),
     _aten._upsample_bicubic2d_aa.default: antialiased_resize(_aten._upsample_bicubic2d_aa.default),
     _aten.sum.default: exact_integer_sum,
-    _aten.sum.dim_IntList: exact_integer_sum,
+    _aten.sum.dim_IntList: first_of(sum_of_scalar, exact_integer_sum),
     _aten.prod.default: refuse_integer_prod,
-    _aten.prod.dim_int: refuse_integer_prod,
+    _aten.prod.dim_int: first_of(sum_of_scalar, refuse_integer_prod),
     # onnxscript's translation (a Loop over a sequence) crashes ONNX Runtime's session
     # creation (a segfault) - and the artifact was on disk by then, for every later process
     **{

@@ -11,7 +11,7 @@ import torch
 from qaic_dynamo.errors import LoweringError
 from qaic_dynamo.lowering.semantics.common import operands
 
-__all__ = ["atan2", "expm1", "integer_pow", "log1p"]
+__all__ = ["atan2", "expm1", "integer_pow", "log1p", "nan_ignoring"]
 
 
 def log1p(x: Any) -> Any:
@@ -86,3 +86,16 @@ def integer_pow(base: Any, exponent: Any) -> Any:
         if n:
             square = square * square
     return result
+
+
+def nan_ignoring(largest: bool) -> Any:
+    """``fmax`` / ``fmin`` (prims): the larger / smaller operand, a NaN only where both are
+    NaN; there is no ONNX function for the prims, so the piece ran eagerly."""
+
+    def pick(a: Any, b: Any) -> Any:
+        out = torch.maximum(a, b) if largest else torch.minimum(a, b)
+        if not out.is_floating_point():
+            return out
+        return torch.where(torch.isnan(a), b, torch.where(torch.isnan(b), a, out))
+
+    return pick

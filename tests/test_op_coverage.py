@@ -1,0 +1,85 @@
+"""Ops that ran as eager pieces in the OpInfo sweep (benchmarks/op_coverage.py) and now
+compile, each compared with eager: reductions and squeezes of 0-d tensors (ONNX shape
+inference rejected them), fmax / fmin and copysign (prims with no ONNX function), and
+uint8 / int8 / int16 inputs and outputs (the runtime did not bind them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+
+from qaic_dynamo import last_compile_report
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def assert_compiled_like_eager(fn, *args):
+    want = fn(*args)
+    got = torch.compile(fn, backend="qaic", fullgraph=True)(*args)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, equal_nan=True)
+    report = last_compile_report()
+    assert report.eager is None and not any(p.runs_eagerly for p in report.pieces), report.table()
+
+
+SCALAR_REDUCTIONS = {
+    "amax": lambda x: x.amax(0),
+    "amin_keepdim": lambda x: x.amin(-1, keepdim=True),
+    "aminmax": lambda x: torch.aminmax(x, dim=0),
+    "prod": lambda x: x.prod(0),
+    "sum": lambda x: x.sum(0),
+    "mean_dtype": lambda x: x.mean(0, dtype=torch.float64),
+    "topk": lambda x: torch.topk(x, 1),
+    "all": lambda x: x.all(0, keepdim=True),
+    "vector_norm": lambda x: torch.linalg.vector_norm(x, 3.0, dim=0),
+    "vector_norm_0": lambda x: torch.linalg.vector_norm(x, 0, dim=0),
+    "normalize": lambda x: F.normalize(x, p=1.2, dim=0),
+    "cosine_similarity": lambda x: F.cosine_similarity(x, x * 2, dim=0),
+}
+
+
+@pytest.mark.parametrize("fn", SCALAR_REDUCTIONS.values(), ids=SCALAR_REDUCTIONS.keys())
+@pytest.mark.parametrize("value", [-1.5, 0.0, 2.0])
+def test_reductions_of_a_0d_tensor(fn, value):
+    assert_compiled_like_eager(fn, torch.tensor(value))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool])
+def test_integer_sum_and_prod_of_a_0d_tensor_promote_like_eager(dtype):
+    x = torch.tensor(3, dtype=torch.int32).to(dtype)
+    assert_compiled_like_eager(lambda x: (x.sum(0), x.prod(0)), x)
+
+
+@pytest.mark.parametrize("dims", [2, (1, 2), (0, 3), -1])
+def test_squeeze_of_dims_that_are_not_1_skips_them(dims):
+    assert_compiled_like_eager(lambda x: torch.squeeze_copy(x, dims) * 2, torch.randn(5, 1, 5, 1))
+
+
+@pytest.mark.parametrize("op", [torch.fmax, torch.fmin])
+def test_fmax_and_fmin_ignore_a_nan(op):
+    a = torch.tensor([1.0, float("nan"), 3.0, float("nan"), -0.5])
+    b = torch.tensor([2.0, 4.0, float("nan"), float("nan"), -1.0])
+    assert_compiled_like_eager(op, a, b)
+
+
+def test_copysign_keeps_the_sign_of_zero():
+    a = torch.tensor([1.0, -2.0, 3.0, 4.0, -5.0])
+    b = torch.tensor([-0.0, 0.0, -1.0, float("-inf"), 2.0])
+    assert_compiled_like_eager(torch.copysign, a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16])
+def test_small_integer_inputs_and_outputs(dtype):
+    x = torch.arange(-5, 5).to(dtype)
+    assert_compiled_like_eager(lambda x: (x + 1, x.to(torch.float32) * 2, (x * 3).to(dtype)), x)
+
+
+def test_a_float_tensor_as_bytes():
+    # OpInfo's "byte": the runtime refused the uint8 output.
+    assert_compiled_like_eager(lambda x: x.byte(), torch.tensor([0.5, 3.7, 200.0, 255.0]))
