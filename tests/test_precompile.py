@@ -213,3 +213,57 @@ def test_dropped_guards_compare_what_an_object_is_not_where_it_lives():
 class _Entry:
     def __init__(self, name: str) -> None:
         self.name = name
+
+
+def test_a_saved_graph_round_trips_and_its_runners_keep_their_eager_graph(tmp_path):
+    from qaic_dynamo.compiler import QaicBackend
+    from qaic_dynamo.compiler.saved_graph import SavedGraph, loading_config
+    from qaic_dynamo.config import CompilationConfig
+    from qaic_dynamo.runtime import PieceRunner
+
+    torch._dynamo.reset()
+    config = CompilationConfig.from_options({"cache_dir": str(tmp_path)})
+    saved = []
+
+    def backend(gm, example_inputs):
+        saved.append(SavedGraph(QaicBackend(config)(gm, example_inputs), config))
+        return saved[-1]
+
+    def fn(x, y):
+        return torch.relu(x @ y) + 1, x.sum(0)
+
+    x, y = torch.randn(4, 8), torch.randn(8, 3)
+    want = torch.compile(fn, backend=backend)(x, y)
+    data = SavedGraph.serialize_compile_artifacts(saved[0])
+    with loading_config(config), compilation_counter.expect(num_onnx_exports=0):
+        loaded = SavedGraph.deserialize_compile_artifacts(data)
+    got = loaded(x, y)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    runners = [m for m in loaded.compiled.__self__.children() if isinstance(m, PieceRunner)]
+    assert runners
+    for a, b in zip(runners[0].eager(x, y), fn(x, y)):  # the fallback graph, unpickled on first use
+        torch.testing.assert_close(a, b)
+
+
+def test_a_saved_graph_whose_artifact_is_gone_does_not_load(tmp_path):
+    from qaic_dynamo.cache import artifact_cache
+    from qaic_dynamo.compiler import QaicBackend
+    from qaic_dynamo.compiler.saved_graph import SavedGraph, loading_config
+    from qaic_dynamo.config import CompilationConfig
+    from qaic_dynamo.errors import PrecompileError
+
+    torch._dynamo.reset()
+    config = CompilationConfig.from_options({"cache_dir": str(tmp_path / "a")})
+    saved = []
+
+    def backend(gm, example_inputs):
+        saved.append(SavedGraph(QaicBackend(config)(gm, example_inputs), config))
+        return saved[-1]
+
+    torch.compile(lambda x: torch.tanh(x) * 3, backend=backend)(torch.randn(5))
+    data = SavedGraph.serialize_compile_artifacts(saved[0])
+    artifact_cache.clear_memory()
+    elsewhere = CompilationConfig.from_options({"cache_dir": str(tmp_path / "b")})  # an empty cache
+    with loading_config(elsewhere), pytest.raises(PrecompileError, match="no longer in the cache"):
+        SavedGraph.deserialize_compile_artifacts(data)

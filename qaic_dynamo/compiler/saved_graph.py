@@ -20,8 +20,10 @@ PrecompileError naming why.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import pickle
 import threading
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,7 +37,7 @@ from qaic_dynamo.runtime import PieceRunner
 
 __all__ = ["SavedGraph", "loading_config"]
 
-_FORMAT = 2
+_FORMAT = 3
 _loading = threading.local()
 
 
@@ -82,9 +84,8 @@ class SavedGraph:
                 modules[name] = torch.nn.Module()  # a stand-in (a leaf to fx), replaced on load
             else:
                 modules[name] = child
-        # A copy whose pieces are their eager graphs: the runners are rebuilt on load.
-        plain = fx.GraphModule(modules, split.graph, class_name=type(split).__name__)
-        return pickle.dumps({"format": _FORMAT, "graph": plain, "runners": runners})
+        # The split graph as its generated code: the runners are rebuilt on load.
+        return pickle.dumps({"format": _FORMAT, "graph": _pack(split, modules), "runners": runners})
 
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> SavedGraph:
@@ -94,7 +95,7 @@ class SavedGraph:
         state = pickle.loads(data)
         if state.get("format") != _FORMAT:
             raise PrecompileError(f"saved graph format {state.get('format')} is not {_FORMAT}")
-        graph: fx.GraphModule = state["graph"]
+        graph = _unpack(state["graph"])
         disk = DiskCache.get(config.resolved_cache_dir(), config.cache_size_limit) if config.cache else None
         threads = config.num_threads or _torch_threads()
         for name, (key, label, differentiable, eager) in state["runners"].items():
@@ -106,6 +107,40 @@ class SavedGraph:
             runner.differentiable = differentiable
             setattr(graph, name, runner)
         return cls(graph.forward, config)
+
+
+class _CodeModule(torch.nn.Module):
+    """A graph module rebuilt from its generated code, without the ``torch.fx`` trace that
+    unpickling a GraphModule runs (most of a saved graph's load time)."""
+
+
+def _pack(module: torch.nn.Module, children: dict[str, torch.nn.Module] | None = None) -> tuple:
+    """``module`` for :func:`_unpack`: a graph module as its code, the globals the code
+    names (modules by name) and its children, packed alike; anything else pickled."""
+    if not isinstance(module, fx.GraphModule) or any(n.op == "get_attr" for n in module.graph.nodes):
+        return ("pickle", pickle.dumps(module))
+    code = module.graph.python_code(root_module="self")
+    names = []
+    for name, value in code.globals.items():
+        if isinstance(value, types.ModuleType):
+            names.append((name, "module", value.__name__))
+        else:
+            names.append((name, "value", value))  # builtins, types, floats: pickled by reference
+    children = dict(module.named_children()) if children is None else children
+    return ("code", code.src, names, {name: _pack(child) for name, child in children.items()})
+
+
+def _unpack(packed: tuple) -> torch.nn.Module:
+    if packed[0] == "pickle":
+        return pickle.loads(packed[1])
+    _, src, names, children = packed
+    scope = {name: importlib.import_module(v) if kind == "module" else v for name, kind, v in names}
+    exec(compile(src, "<qaic saved graph>", "exec"), scope)  # noqa: S102  (fx's own generated code)
+    module = _CodeModule()
+    for name, child in children.items():
+        setattr(module, name, _unpack(child))
+    module.forward = types.MethodType(scope["forward"], module)
+    return module
 
 
 class _LazyGraph:
@@ -128,7 +163,8 @@ class _LazyGraph:
 
 def _why_not_savable(compiled: Callable[..., Any]) -> str | None:
     split = getattr(compiled, "__self__", None)
-    if not isinstance(split, fx.GraphModule) or getattr(compiled, "__name__", "") != "forward":
+    # the graph's forward, or fx's lazily generated one (``_lazy_forward``) before its first call
+    if not isinstance(split, fx.GraphModule) or getattr(compiled, "__name__", "") not in ("forward", "_lazy_forward"):
         if getattr(compiled, "view_outputs", None) is not None:
             return "its outputs include views, returned by an eager epilogue"
         return (
