@@ -1,7 +1,8 @@
 """Ops that ran as eager pieces in the OpInfo sweep (benchmarks/op_coverage.py) and now
 compile, each compared with eager: reductions and squeezes of 0-d tensors (ONNX shape
-inference rejected them), fmax / fmin and copysign (prims with no ONNX function), and
-uint8 / int8 / int16 inputs and outputs (the runtime did not bind them)."""
+inference rejected them), fmax / fmin, copysign and cumprod / vander (prims with no ONNX
+function), kthvalue (as a sort), and uint8 / int8 / int16 inputs and outputs (the
+runtime did not bind them)."""
 
 from __future__ import annotations
 
@@ -83,3 +84,25 @@ def test_small_integer_inputs_and_outputs(dtype):
 def test_a_float_tensor_as_bytes():
     # OpInfo's "byte": the runtime refused the uint8 output.
     assert_compiled_like_eager(lambda x: x.byte(), torch.tensor([0.5, 3.7, 200.0, 255.0]))
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: torch.cumprod(x, 1),
+        lambda x: torch.cumprod(x, 0, dtype=torch.float64),
+        lambda x: torch.linalg.vander(x[0]),
+    ],
+    ids=["cumprod", "cumprod_dtype", "vander"],
+)
+def test_products_through_prims_prod(fn):
+    assert_compiled_like_eager(fn, torch.randn(3, 5))
+
+
+@pytest.mark.parametrize("k, dim, keepdim", [(1, -1, False), (3, 0, True), (5, 1, False)])
+def test_kthvalue_as_a_sort(k, dim, keepdim):
+    assert_compiled_like_eager(lambda x: torch.kthvalue(x, k, dim, keepdim), torch.randn(6, 5))
+
+
+def test_kthvalue_of_a_0d_tensor():
+    assert_compiled_like_eager(lambda x: torch.kthvalue(x, 1), torch.tensor(2.5))

@@ -31,7 +31,9 @@ from qaic_dynamo.lowering.semantics.reductions import (
     any_as_count,
     exact_integer_sum,
     float32_cumsum,
+    float_prod_over_dims,
     integer_isclose,
+    kthvalue_by_sort,
     mean_of_all_maybe_empty,
     mean_of_maybe_empty,
     reduce_all_dims,
@@ -78,6 +80,8 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
         op: squeeze_sized
         for op in (_aten.squeeze.dim, _aten.squeeze.dims, _aten.squeeze_copy.dim, _aten.squeeze_copy.dims)
     },
+    torch.ops.prims.prod.default: float_prod_over_dims,
+    _aten.kthvalue.default: kthvalue_by_sort,
     torch.ops.prims.fmax.default: nan_ignoring(largest=True),
     torch.ops.prims.fmin.default: nan_ignoring(largest=False),
     torch.ops.prims.signbit.default: lambda x: signbit(x) if x.is_floating_point() else x < 0,

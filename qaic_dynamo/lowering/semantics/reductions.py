@@ -17,7 +17,9 @@ __all__ = [
     "any_as_count",
     "exact_integer_sum",
     "float32_cumsum",
+    "float_prod_over_dims",
     "integer_isclose",
+    "kthvalue_by_sort",
     "mean_of_maybe_empty",
     "mean_of_all_maybe_empty",
     "var_of_maybe_few",
@@ -145,3 +147,28 @@ def refuse_integer_prod(x: Any, *args: Any, dtype: Any = None, **kwargs: Any) ->
         "an integer prod: ONNX Runtime's CPU ReduceProd multiplies int64 in double (3**39 loses its "
         "last digits) and saturates an overflow where eager wraps; such a piece runs eagerly"
     )
+
+
+def float_prod_over_dims(x: Any, dims: Any, *, output_dtype: Any = None) -> Any:
+    """``prims.prod`` (``cumprod``'s and ``vander``'s decompositions reach it) as one
+    ``prod`` per dim, which translates; no ONNX function took the prim. Integers stay
+    eager, as ``refuse_integer_prod`` explains."""
+    if not x.is_floating_point():
+        return NotImplemented
+    n = x.dim()
+    out = x
+    for d in sorted({d % n for d in dims} if dims is not None and n else range(n), reverse=True):
+        out = torch.prod(out, d)
+    if out is x:
+        out = x.clone()
+    return out.to(output_dtype) if output_dtype is not None else out
+
+
+def kthvalue_by_sort(x: Any, k: int, dim: int = -1, keepdim: bool = False) -> Any:
+    """``kthvalue`` as the k-th entry of a sort along ``dim`` (no ONNX function took it)."""
+    if x.dim() == 0:
+        return x.clone(), torch.zeros((), dtype=torch.int64)
+    values, indices = torch.sort(x, dim)
+    d = dim % x.dim()
+    values, indices = values.narrow(d, k - 1, 1), indices.narrow(d, k - 1, 1)
+    return (values, indices) if keepdim else (values.squeeze(d), indices.squeeze(d))
