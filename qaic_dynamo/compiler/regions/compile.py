@@ -104,9 +104,7 @@ class CompiledRegion(nn.Module):
             f_locals = self.dispatch.direct_call_locals(args, kwargs)
             if f_locals is not None:
                 with region_config(), collector_paused():
-                    # marks the dynamic dims only if it traces: a loaded entry's guards
-                    # check that a tensor is marked as it was when traced
-                    precompiled.prepare(self.module, args, kwargs, f_locals)
+                    precompiled.prepare(self.module, args, kwargs, f_locals, mark_dynamic_dims)
                 compiled_code = self.dispatch.lookup(args, kwargs)
                 if compiled_code is not None:
                     compilation_counter.bump(num_guarded_region_calls=1)

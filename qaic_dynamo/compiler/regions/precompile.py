@@ -227,8 +227,8 @@ class RegionPrecompile:
     entry function), shared by every module that runs that code.
 
     :meth:`prepare` runs at the region's first call that misses: it loads the saved
-    entry, or traces one with ``aot_compile`` and saves it. :meth:`entry` is then what
-    guarded dispatch runs when its checks and the entry's guards pass."""
+    entry, or traces one with ``aot_compile`` and saves it. Guarded dispatch then asks
+    :meth:`check` for the entry's function at every call, after its own checks."""
 
     def __init__(
         self, func: types.FunctionType, method: bool, config: CompilationConfig, label: str, identity: Any = None
@@ -286,14 +286,24 @@ class RegionPrecompile:
         compilation_counter.bump(num_precompiled_discards=1)
 
     # -- first call ---------------------------------------------------------------------------
-    def prepare(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], f_locals: dict[str, Any]) -> None:
-        """Load the saved entry for this region, or trace and save one (once)."""
+    def prepare(
+        self,
+        module: torch.nn.Module,
+        args: tuple,
+        kwargs: dict[str, Any],
+        f_locals: dict[str, Any],
+        before_trace: Callable[[tuple, dict[str, Any]], None],
+    ) -> None:
+        """Load the saved entry for this region, or trace and save one (once).
+        ``before_trace(args, kwargs)`` runs only if it traces (it marks dynamic dims: a
+        loaded entry's guards check that a tensor is marked as it was when traced)."""
         with self._lock:
             if self.tried:
                 return
             self.tried = True
             loaded = self._load(f_locals)
             if loaded is None and self.off is None:
+                before_trace(args, kwargs)
                 self._trace(module, args, kwargs, f_locals)
 
     def _closure(self) -> dict[str, Any]:
@@ -324,9 +334,6 @@ class RegionPrecompile:
         return frame
 
     def _trace(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], f_locals: dict[str, Any]) -> None:
-        from qaic_dynamo.compiler.regions.compile import mark_dynamic_dims
-
-        mark_dynamic_dims(args, kwargs)
         backend = _saving_backend(self.config)
         call_args = ((module, *args) if self.method else args), kwargs
         try:
