@@ -6,8 +6,9 @@ Dynamo tracing each region again. Dynamo's precompile (``aot_compile``, the mech
 vLLM's AOT compile mode) saves a traced frame - the transformed bytecode, its guards and
 the backend's output (:mod:`qaic_dynamo.compiler.saved_graph`) - and another process runs
 it without tracing. A region's first call therefore traces through ``aot_compile``
-(one trace, as Dynamo's own path would make), runs that entry, and saves it on a worker
-thread; the next process loads it.
+(one trace, as Dynamo's own path would make) and runs that entry; a worker thread saves
+it a little later (``SAVE_DELAY_S``, or at exit), off the first call; the next process
+loads it.
 
 The saved entry keeps only the guards Dynamo can serialize. The ones it drops - every
 guard on a global (``apply_rotary_pos_emb``, the attention function registered under
@@ -33,6 +34,7 @@ as before.
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import hashlib
 import importlib
@@ -41,6 +43,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -212,14 +215,63 @@ def changed_files(files: dict[str, str]) -> list[str]:
 # --- one region's saved trace ---------------------------------------------------------------
 
 
-_saves: list[threading.Thread] = []
+#: Seconds between a trace and its save: a region traces inside the model's first call,
+#: and a save then (pickling holds the GIL) would slow the rest of that call.
+SAVE_DELAY_S = 2.0
 
 
-def wait_for_saves(timeout: float | None = None) -> None:
-    """Wait for the saves this process started (tests; the threads are not daemons, so an
-    interpreter exit waits for them too)."""
-    for t in list(_saves):
-        t.join(timeout)
+class _Saver:
+    """Saves traces on one daemon thread, each ``SAVE_DELAY_S`` after it was traced; at
+    interpreter exit the ones still waiting are written at once (a process that ends
+    sooner still leaves its traces), and one being written is finished."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[float, Callable[[], None]]] = []
+        self._cv = threading.Condition()
+        self._writing = threading.Lock()
+        self._thread: threading.Thread | None = None
+        atexit.register(self.flush)
+
+    def submit(self, save: Callable[[], None]) -> None:
+        with self._cv:
+            self._pending.append((time.monotonic() + SAVE_DELAY_S, save))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="qaic-precompile-saver", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def _next(self, wait: bool) -> Callable[[], None] | None:
+        with self._cv:
+            while True:
+                if self._pending:
+                    due = self._pending[0][0] - time.monotonic()
+                    if due <= 0 or not wait:
+                        return self._pending.pop(0)[1]
+                elif not wait:
+                    return None
+                else:
+                    due = None
+                self._cv.wait(due)
+
+    def _run(self) -> None:
+        while True:
+            save = self._next(wait=True)
+            with self._writing:
+                save()
+
+    def flush(self) -> None:
+        """Write every waiting save now, in this thread, after the one being written."""
+        with self._writing:
+            while (save := self._next(wait=False)) is not None:
+                save()
+
+
+_saver = _Saver()
+
+
+def wait_for_saves() -> None:
+    """Write the traces still waiting to be saved (tests; exit does it too)."""
+    _saver.flush()
 
 
 class RegionPrecompile:
@@ -346,11 +398,7 @@ class RegionPrecompile:
         self.frame, self.guards = frame, guards
         compilation_counter.bump(num_precompiled_traces=1)
         files = sorted({*traced_files, self.func.__code__.co_filename})
-        saver = threading.Thread(
-            target=self._save, args=(frame, guards, files), name=f"qaic-precompile-save-{self.label}", daemon=False
-        )
-        _saves.append(saver)
-        saver.start()
+        _saver.submit(lambda: self._save(frame, guards, files))
 
     def _save(self, frame: AotFrame, guards: DroppedGuards, files: list[str]) -> None:
         try:

@@ -37,12 +37,13 @@ prefill-only and decode-only artifacts on ONNX Runtime (standing in for the card
 same buffers (:class:`OrtSession`, in :mod:`.exported`).
 
 Modules: :mod:`.kv_slices` (names and the slicing spec), :mod:`.shm` (shared-memory
-buffers), :mod:`.session`, :mod:`.exported`, :mod:`.transports`, :mod:`.workers` and :mod:`.server`.
+buffers), :mod:`.session`, :mod:`.exported`, :mod:`.transports`, :mod:`.workers`, :mod:`.launch`, :mod:`.results` and :mod:`.server`.
 """
 
 from qaic_dynamo.deploy.serving.exported import ExportedModel, OrtSession
 from qaic_dynamo.deploy.serving.kv_slices import KVSliceSpec, kv_buffer_names
-from qaic_dynamo.deploy.serving.server import DisaggregatedServer, RequestResult, percentile, summarize
+from qaic_dynamo.deploy.serving.results import RequestResult, percentile, summarize
+from qaic_dynamo.deploy.serving.server import DisaggregatedServer
 from qaic_dynamo.deploy.serving.session import ExecutionSlot, Session, SlicedSession
 from qaic_dynamo.deploy.serving.shm import SharedKVBuffers
 from qaic_dynamo.deploy.serving.transports import KVTransport

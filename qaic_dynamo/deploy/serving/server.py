@@ -21,49 +21,31 @@ Failures:
 
 from __future__ import annotations
 
-import ast
-import contextlib
 import itertools
 import math
 import multiprocessing as mp
 import os
 import queue
 import shutil
-import signal
 import socket
-import statistics
-import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 from qaic_dynamo.deploy.serving.exported import ExportedModel
 from qaic_dynamo.deploy.serving.kv_slices import kv_buffer_names
+from qaic_dynamo.deploy.serving.launch import check_main_guard, children_ignore_sigint
+from qaic_dynamo.deploy.serving.results import RequestResult
 from qaic_dynamo.deploy.serving.shm import SharedKVBuffers
 from qaic_dynamo.deploy.serving.transports import TRANSPORTS
 from qaic_dynamo.deploy.serving.workers import Job, decode_worker, prefill_worker
 from qaic_dynamo.engine import BACKENDS, SamplingParams, is_token_id
 from qaic_dynamo.models import load_model
 
-__all__ = ["MAX_PREFILL_RESTARTS", "DisaggregatedServer", "RequestResult", "percentile", "summarize"]
-
-
-@dataclass
-class RequestResult:
-    request_id: int
-    prompt: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    #: Seconds from submission to the first token (None if it never came).
-    ttft: float | None = None
-    #: KV bytes moved at this request's hand-off (0 with slicing).
-    kv_bytes_moved: int = 0
-    error: str | None = None
-    submitted: float = 0.0
-    finished: float | None = None
+__all__ = ["MAX_PREFILL_RESTARTS", "DisaggregatedServer"]
 
 
 def _free_local_port() -> int:
@@ -220,7 +202,7 @@ class DisaggregatedServer:
     def start(self) -> None:
         if self.buffers is not None:
             raise RuntimeError("DisaggregatedServer: already started; stop() it before starting it again")
-        _check_main_guard()
+        check_main_guard()
         self._unusable = None
         flat, dtype, self.vocab = self._layout()
         self._check_shared_memory(flat, dtype)
@@ -245,7 +227,7 @@ class DisaggregatedServer:
                 name="qaic-decode",
                 args=(self.model, self.cfg, self.buffers.descriptor, self._handoff_queues, self._control, self._events),
             )
-            with _children_ignore_sigint():
+            with children_ignore_sigint():
                 self._decode.start()
             self._start_prefill()
             self._wait_for(lambda kind, who, payload: kind == "ready", {"prefill", "decode"}, "start")
@@ -299,7 +281,7 @@ class DisaggregatedServer:
                 self._prefill_events,
             ),
         )
-        with _children_ignore_sigint():
+        with children_ignore_sigint():
             self._prefill.start()
 
     def _wait_for(self, match: Any, keys: set, what: str, on_other: Any = None) -> None:
@@ -579,106 +561,3 @@ class DisaggregatedServer:
         self._start_prefill()
         self.restarts += 1
         self._wait_for(lambda kind, who, payload: kind == "ready", {"prefill"}, "restart", on_other=on_event)
-
-
-@contextlib.contextmanager
-def _children_ignore_sigint() -> Iterator[None]:
-    """Start processes with SIGINT ignored from their first instruction: a Ctrl-C reaches
-    the whole process group, and a worker still importing torch would die of it with a
-    traceback; the server stops its workers itself. An ignored signal stays ignored
-    across exec, and Python then installs no handler of its own."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can only be set from the main thread
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        # None: a handler installed outside Python, which cannot be put back; the default.
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
-
-
-def _is_main_test(test: ast.expr) -> bool:
-    """``__name__ == "__main__"`` (either way round)."""
-    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
-        return False
-    sides = [test.left, test.comparators[0]]
-    names = [s.id for s in sides if isinstance(s, ast.Name)]
-    values = [s.value for s in sides if isinstance(s, ast.Constant)]
-    return names == ["__name__"] and values == ["__main__"]
-
-
-def _check_main_guard() -> None:
-    """Refuse a start from a script's top level outside ``if __name__ == "__main__":``.
-
-    The workers are spawned: each imports the main script again (as ``__mp_main__``), and
-    an unguarded start there would fail in every worker with Python's bootstrap error."""
-    main = sys.modules.get("__main__")
-    if not str(getattr(main, "__file__", "") or "").endswith(".py"):
-        return  # python -c, an interactive session, a frozen entry point: nothing re-imported
-    frame, top = sys._getframe(1), None
-    while frame is not None and top is None:  # the innermost module-level frame of __main__
-        if frame.f_globals.get("__name__") == "__main__" and frame.f_code.co_name == "<module>":
-            top = frame
-        frame = frame.f_back
-    if top is None:
-        return  # not called from the main script's top level (a function run by a guard, a thread)
-    # Its own file: under a launcher (pdb, coverage, runpy) __main__.__file__ may be another.
-    path = top.f_code.co_filename
-    if not path.endswith(".py"):
-        return
-    try:
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read())
-    except (OSError, SyntaxError, ValueError):
-        return
-    line = top.f_lineno
-    if any(
-        isinstance(node, ast.If) and _is_main_test(node.test) and node.lineno <= line <= (node.end_lineno or line)
-        for node in ast.walk(tree)
-    ):
-        return
-    raise RuntimeError(
-        f"DisaggregatedServer: started at the top level of {path} (line {line}) without an "
-        '`if __name__ == "__main__":` guard. The workers are spawned processes that import that script '
-        "again, and each would start a server of its own. Put the code that starts the server under "
-        '`if __name__ == "__main__":`.'
-    )
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The nearest-rank ``q`` quantile (0 < q <= 1): the smallest value with at least a
-    ``q`` share of the values at or below it. The one definition every figure here uses."""
-    if not values or not 0 < q <= 1:
-        raise ValueError(f"percentile: need values and 0 < q <= 1, got {len(values)} values and q={q}")
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
-
-
-def summarize(results: Sequence[RequestResult]) -> dict[str, float | None]:
-    """Request and failure counts, TTFT median / p90 (s), decode tokens/s and KV bytes moved
-    per hand-off (None when no request was served)."""
-    ok = [r for r in results if r.error is None and r.ttft is not None]
-    ttfts = sorted(r.ttft for r in ok)
-    if not ok:  # nothing was served: counts only, every figure None
-        return {
-            "requests": len(results),
-            "failed": len(results),
-            "ttft_median_s": None,
-            "ttft_p90_s": None,
-            "decode_tokens_per_s": None,
-            "kv_bytes_per_handoff": None,
-            "wall_s": None,
-        }
-    start = min(r.submitted for r in ok)
-    end = max(r.finished or 0 for r in ok)
-    decode_tokens = sum(max(0, len(r.token_ids) - 1) for r in ok)
-    return {
-        "requests": len(results),
-        "failed": len(results) - len(ok),
-        "ttft_median_s": statistics.median(ttfts),
-        "ttft_p90_s": percentile(ttfts, 0.9),
-        "decode_tokens_per_s": decode_tokens / max(1e-9, end - start),
-        "kv_bytes_per_handoff": statistics.mean(r.kv_bytes_moved for r in ok),
-        "wall_s": end - start,
-    }
