@@ -145,7 +145,7 @@ class GuardedDispatch:
     def lookup(self, args: tuple, kwargs: dict[str, Any]) -> Callable | None:
         """The compiled code Dynamo would run for this call (the module already bound
         for a block, so it takes ``*args, **kwargs``), or None."""
-        internals, module, func = self._internals, self.module, self.func
+        internals, module = self._internals, self.module
         self._thread.miss = None
         # Emptiness first: membership hashes the code object (its bytecode and constants).
         if DYNAMO_SKIPPED and self.code in DYNAMO_SKIPPED:
@@ -159,18 +159,8 @@ class GuardedDispatch:
         # nn.Module.__call__ runs hooks, so a hooked call goes to Dynamo; the scan below still
         # runs, so after_dynamo can tell a miss that Dynamo skipped (a TorchDispatchMode
         # such as FlopCounterMode also sets global hooks).
-        hooked = bool(
-            module._forward_hooks
-            or module._forward_pre_hooks
-            or module._backward_hooks
-            or module._backward_pre_hooks
-            or any(internals.global_hooks)
-        )
-        if self.method and (
-            type(module).forward is not func or "forward" in module.__dict__ or not _calls_forward_plainly(module)
-        ):
-            return None
-        if func.__code__ is not self.code:  # Dynamo compiles the new code; its entries are not these
+        hooked = self._hooked()
+        if self._forward_replaced():  # Dynamo compiles the new code; its entries are not these
             return None
         entries = internals.cache_entries(self.code, self.isolate_recompiles_id)
         if hooked and self.method and (module._forward_pre_hooks or internals.global_hooks[1]):
@@ -211,24 +201,32 @@ class GuardedDispatch:
         :meth:`lookup` checks before the entries: default stance, no trace in progress, no
         hooks, ``forward`` as compiled), else None. A region's first call loads or traces
         its saved entry only then."""
-        internals, module = self._internals, self.module
-        if not internals.stance_is_default() or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        if not self._internals.stance_is_default() or torch.compiler.is_compiling() or torch.jit.is_tracing():
             return None
-        if (
+        if self._hooked() or self._forward_replaced():
+            return None
+        return self._frame_locals(args, kwargs)
+
+    def _hooked(self) -> bool:
+        """Hooks that ``nn.Module.__call__`` runs: on the module, or global ones."""
+        module = self.module
+        return bool(
             module._forward_hooks
             or module._forward_pre_hooks
             or module._backward_hooks
             or module._backward_pre_hooks
-            or any(internals.global_hooks)
-        ):
-            return None
+            or any(self._internals.global_hooks)
+        )
+
+    def _forward_replaced(self) -> bool:
+        """``forward`` (or its code) is no longer what was compiled, or the class calls it
+        through a ``__call__`` of its own."""
+        module, func = self.module, self.func
         if self.method and (
-            type(module).forward is not self.func or "forward" in module.__dict__ or not _calls_forward_plainly(module)
+            type(module).forward is not func or "forward" in module.__dict__ or not _calls_forward_plainly(module)
         ):
-            return None
-        if self.func.__code__ is not self.code:
-            return None
-        return self._frame_locals(args, kwargs)
+            return True
+        return func.__code__ is not self.code
 
     def _same_backend(self, backend: Any) -> bool:
         """Dynamo's backend match: the same object, or an equal one. Every block but the
