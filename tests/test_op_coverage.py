@@ -1,7 +1,7 @@
 """Ops that ran as eager pieces in the OpInfo sweep (benchmarks/op_coverage.py) and now
 compile, each compared with eager: reductions and squeezes of 0-d tensors (ONNX shape
 inference rejected them), fmax / fmin, copysign and cumprod / vander (prims with no ONNX
-function), kthvalue (as a sort), and uint8 / int8 / int16 inputs and outputs (the
+function), kthvalue (as a sort), avg_pool with divisor_override, and uint8 / int8 / int16 inputs and outputs (the
 runtime did not bind them)."""
 
 from __future__ import annotations
@@ -106,3 +106,16 @@ def test_kthvalue_as_a_sort(k, dim, keepdim):
 
 def test_kthvalue_of_a_0d_tensor():
     assert_compiled_like_eager(lambda x: torch.kthvalue(x, 1), torch.tensor(2.5))
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: F.avg_pool2d(x, 3, stride=1, padding=1, divisor_override=4),
+        lambda x: F.avg_pool2d(x, (2, 3), stride=2, count_include_pad=False, divisor_override=5),
+        lambda x: F.avg_pool3d(x.unsqueeze(0), 2, divisor_override=3),
+    ],
+    ids=["2d_padded", "2d_rect_no_pad_count", "3d"],
+)
+def test_avg_pool_with_a_divisor_override(fn):
+    assert_compiled_like_eager(fn, torch.randn(2, 3, 7, 8))

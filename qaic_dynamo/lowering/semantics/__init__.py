@@ -20,6 +20,7 @@ from qaic_dynamo.lowering.semantics.elementwise import atan2, expm1, integer_pow
 from qaic_dynamo.lowering.semantics.indexing import arange, index_add_in_float32, index_put_in_float32, scatter_reduce
 from qaic_dynamo.lowering.semantics.linear_algebra import addmm_maybe_empty_inner
 from qaic_dynamo.lowering.semantics.normalization import batch_norm_no_training, layer_norm_in_float32
+from qaic_dynamo.lowering.semantics.pooling import avg_pool_with_divisor
 from qaic_dynamo.lowering.semantics.reduced_floats import (
     in_float32,
     in_place,
@@ -40,7 +41,7 @@ from qaic_dynamo.lowering.semantics.reductions import (
     refuse_integer_prod,
     var_of_maybe_few,
 )
-from qaic_dynamo.lowering.semantics.refusals import refusal, refuse_divisor_override
+from qaic_dynamo.lowering.semantics.refusals import refusal
 from qaic_dynamo.lowering.semantics.resampling import antialiased_resize
 from qaic_dynamo.lowering.semantics.scalar_reductions import (
     aminmax_of_scalar,
@@ -125,8 +126,8 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
         for op in (_aten._embedding_bag.default, _aten._embedding_bag_forward_only.default)
     },
     _aten._native_batch_norm_legit_no_training.default: batch_norm_no_training,
-    _aten.avg_pool2d.default: refuse_divisor_override,
-    _aten.avg_pool3d.default: refuse_divisor_override,
+    _aten.avg_pool2d.default: avg_pool_with_divisor(_aten.avg_pool2d.default, 2),
+    _aten.avg_pool3d.default: avg_pool_with_divisor(_aten.avg_pool3d.default, 3),
     _aten._scaled_dot_product_flash_attention_for_cpu.default: masked_attention,
     **{
         op: reduced_float_scaling(op) for op in (_aten.mul.Tensor, _aten.mul.Scalar, _aten.div.Tensor, _aten.div.Scalar)
