@@ -119,3 +119,8 @@ def test_kthvalue_of_a_0d_tensor():
 )
 def test_avg_pool_with_a_divisor_override(fn):
     assert_compiled_like_eager(fn, torch.randn(2, 3, 7, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.bool])
+def test_all_of_a_0d_integer_tensor_keeps_eagers_result_type(dtype):
+    assert_compiled_like_eager(lambda x: (x.all(0), x.all(-1, keepdim=True)), torch.tensor(3).to(dtype))

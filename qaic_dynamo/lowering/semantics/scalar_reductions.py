@@ -75,7 +75,10 @@ def topk_of_scalar(x: Any, k: int, dim: int = -1, largest: bool = True, sorted: 
 
 
 def logical_all_of_scalar(x: Any, *args: Any, **kwargs: Any) -> Any:
-    return x != 0 if x.dim() == 0 else NotImplemented
+    if x.dim() != 0:
+        return NotImplemented
+    # eager's all keeps uint8 for a uint8 input (its legacy result type), else bool
+    return (x != 0).to(torch.uint8) if x.dtype == torch.uint8 else x != 0
 
 
 def norm_of_scalar(x: Any, ord: Any = 2, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Any:  # noqa: A002
