@@ -167,6 +167,15 @@ class Breaking(nn.Module):
         return torch.relu(self.lin(x))
 
 
+class Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+
 def test_a_region_with_a_graph_break_is_traced_by_dynamo(tmp_path):
     torch._dynamo.reset()
     model = nn.Sequential(nn.ModuleList([Breaking(), Breaking()]))
@@ -267,3 +276,35 @@ def test_a_saved_graph_whose_artifact_is_gone_does_not_load(tmp_path):
     elsewhere = CompilationConfig.from_options({"cache_dir": str(tmp_path / "b")})  # an empty cache
     with loading_config(elsewhere), pytest.raises(PrecompileError, match="no longer in the cache"):
         SavedGraph.deserialize_compile_artifacts(data)
+
+
+def test_a_saved_trace_that_fails_to_load_for_any_reason_is_traced_again(tmp_path, monkeypatch):
+    import qaic_dynamo.compiler.regions.precompile as precompile
+
+    def stack():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.ModuleList([Plain(), Plain()]))
+        model.forward = lambda x: model[0][1](model[0][0](x))
+        return model
+
+    x = torch.randn(2, 8)
+    torch._dynamo.reset()
+    first = stack()
+    with torch.no_grad():
+        qaic_dynamo.compile(first, cache_dir=str(tmp_path))
+        first(x)
+    wait_for_saves()
+    torch._dynamo.reset()
+
+    def moved(*args, **kwargs):  # e.g. a class the saved trace names by path has moved
+        raise AttributeError("module 'x' has no attribute 'Y'")
+
+    monkeypatch.setattr(precompile, "load_aot_frame", moved)
+    second = stack()
+    with torch.no_grad():
+        eager = second(x)
+        qaic_dynamo.compile(second, cache_dir=str(tmp_path))
+        with compilation_counter.expect(num_precompiled_loads=0, num_precompiled_discards=1, num_precompiled_traces=1):
+            out = second(x)
+    wait_for_saves()
+    torch.testing.assert_close(out, eager)

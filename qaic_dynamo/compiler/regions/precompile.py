@@ -376,7 +376,7 @@ class RegionPrecompile:
                 raise PrecompileError(problem)
             with loading_config(self.config):
                 frame = load_aot_frame((path / FRAME_FILE).read_bytes(), self._closure())
-        except (PrecompileError, OSError, ValueError, KeyError, RuntimeError) as e:
+        except Exception as e:  # noqa: BLE001  a cache entry that does not load, for any reason, is traced again
             logger.warning("qaic: %s: the precompiled trace is not used (%s); Dynamo traces it", self.label, e)
             self.disk.discard(self.key)
             compilation_counter.bump(num_precompiled_discards=1)
