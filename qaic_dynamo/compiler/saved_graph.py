@@ -97,7 +97,7 @@ class SavedGraph:
             raise PrecompileError(f"saved graph format {state.get('format')} is not {_FORMAT}")
         graph = _unpack(state["graph"])
         disk = DiskCache.get(config.resolved_cache_dir(), config.cache_size_limit) if config.cache else None
-        threads = config.num_threads or _torch_threads()
+        threads = config.num_threads or torch.get_num_threads()
         for name, (key, label, differentiable, eager) in state["runners"].items():
             artifact = artifact_cache.lookup(key, disk=disk, num_threads=threads)
             if artifact is None:
@@ -174,9 +174,3 @@ def _why_not_savable(compiled: Callable[..., Any]) -> str | None:
         if isinstance(child, PieceRunner) and getattr(child, "cache_key", None) is None:
             return f"{child.label} is reused only within its graph (its key does not cover the kernels it calls)"
     return None
-
-
-def _torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
