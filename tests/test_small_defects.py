@@ -4,6 +4,7 @@ broken pipe, an unusable dump_dir, and a warning that did not say what it meant.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import warnings
@@ -87,8 +88,28 @@ def test_options_that_are_not_a_dict_are_named():
 
         CompilationConfig.from_options(["fallback"])
     f = torch.compile(lambda x: x + 1, backend="qaic", options=["fallback"])
-    with pytest.raises(Exception, match=r"qaic options must be a dict"):
+    with pytest.raises(ConfigError, match=r"^qaic options must be a dict"):
         f(torch.randn(3))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"options": {"fallbak": "eager"}}, r"^unknown qaic option\(s\) \['fallbak'\]; valid options are: .*fallback"),
+        (
+            {"options": {"fallback": "sometimes"}},
+            r"^qaic option 'fallback' must be one of \['eager', 'error'\], got 'sometimes'",
+        ),
+        ({"mode": "max-autotune"}, r"^backend 'qaic' has no modes"),
+    ],
+)
+def test_torch_compile_option_errors_come_first_not_as_dynamos(kwargs, message):
+    # torch.compile hands options over only at the first call; the error raised there was
+    # BackendCompilerFailed("backend='qaic' raised:\nConfigError: ...").
+    f = torch.compile(lambda x: x + 1, backend="qaic", **kwargs)
+    with pytest.raises(ConfigError, match=message) as caught:
+        f(torch.randn(3))
+    assert not isinstance(caught.value, torch._dynamo.exc.BackendCompilerFailed)
 
 
 def test_an_unusable_dump_dir_warns_and_the_compile_goes_on(tmp_path):
@@ -128,3 +149,39 @@ def test_every_p90_is_one_definition():
     for script in ("disagg.py", "serving_throughput.py"):  # the benchmarks take the servers' own
         source = (Path(__file__).parents[1] / "benchmarks" / script).read_text()
         assert "from qaic_dynamo.deploy.serving import percentile" in source and "0.9 * (len" not in source
+
+
+FULL_DISK_CHILD = """
+import resource, signal, sys, warnings
+import torch, qaic_dynamo
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() then fails with EFBIG (errno 27)
+resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))  # past it, every write fails
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+x = torch.randn(2, 64)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    y = torch.compile(m, backend="qaic", options={"cache_dir": sys.argv[1]})(x)
+for w in caught:
+    if "qaic" in str(w.message):
+        print("WARNING", w.message)
+print("MATCH", torch.allclose(y, m(x), atol=1e-5))
+"""
+
+
+def test_a_full_disk_compiles_on_and_says_why(tmp_path):
+    # Was: BackendCompilerFailed: OSError [Errno 27] File too large - the cache fell back
+    # to scratch space on the same full disk, whose write failed again and escaped.
+    out = subprocess.run(
+        [sys.executable, "-c", FULL_DISK_CHILD, str(tmp_path / "cache")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (
+        "is not usable (cannot write: [Errno 27] File too large); compiling without the persistent cache" in out.stdout
+    )
+    assert "runs eagerly: no room to write its artifact, in the disk cache or in scratch space" in out.stdout
+    assert "MATCH True" in out.stdout

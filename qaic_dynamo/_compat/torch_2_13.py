@@ -70,6 +70,7 @@ __all__ = [
     "quiet_exporter_registration",
     "symbolic_context",
     "sympy_size_functions",
+    "through_dynamo",
     "torch_onnx_internals",
 ]
 
@@ -197,6 +198,29 @@ def dynamo_reset() -> None:
 
 def maybe_mark_dynamic(t: torch.Tensor, dim: int) -> None:
     _dynamo().maybe_mark_dynamic(t, dim)
+
+
+def through_dynamo(error: Exception) -> Exception:
+    """``error`` as an instance of a subclass that Dynamo re-raises from a backend as it
+    is: any other exception comes out as ``BackendCompilerFailed``, whose message starts
+    with Dynamo's boilerplate. The subclass mixes in Dynamo's ``ShortenTraceback`` (which
+    its compile path passes through untouched), so ``except type(error)`` still catches
+    it and the message is the error's own."""
+    passing = _through_dynamo_type(type(error))
+    out = passing(*error.args)
+    out.__cause__ = error.__cause__
+    return out
+
+
+@functools.cache
+def _through_dynamo_type(cls: type[Exception]) -> type[Exception]:
+    shorten = _dynamo().exc.ShortenTraceback
+
+    def __init__(self: Any, *args: Any) -> None:
+        cls.__init__(self, *args)
+        self.first_useful_frame = None  # nothing to cut: the traceback is the backend's
+
+    return type(cls.__name__, (cls, shorten), {"__init__": __init__, "__module__": cls.__module__})
 
 
 def dynamo_compile_lock() -> Any:

@@ -211,9 +211,14 @@ class CompileCache:
         num_threads: int,
         describe: dict[str, Any] | None,
     ) -> CacheResult:
-        tmp = disk.new_tmp_dir(key) if disk is not None else None
-        out_dir = tmp if tmp is not None else self._new_scratch_dir(key)
         t0 = time.perf_counter()
+        tmp = disk.new_tmp_dir(key) if disk is not None else None
+        try:
+            out_dir = tmp if tmp is not None else self._new_scratch_dir(key)
+        except OSError as e:
+            if e.errno not in DISK_FULL:
+                raise
+            return self._no_room(e, t0)
 
         def drop() -> None:
             # A committed entry may already serve another process: rename it aside like
@@ -253,6 +258,10 @@ class CompileCache:
             # from write(), with no file name): compile again without the disk cache.
             # Any other OSError (a compiler subprocess's, say) is the compile's own.
             in_tmp = e.filename is not None and str(e.filename).startswith(str(tmp))
+            if tmp is None and e.errno in DISK_FULL:
+                # Not even the process's scratch space takes the artifact (it is on the
+                # same full disk, as a rule): the piece cannot be lowered here at all.
+                return self._no_room(e, t0)
             if tmp is None or not (in_tmp or (e.filename is None and e.errno in DISK_FULL)):
                 raise
             if vanished:  # nothing wrong with the disk: only this piece skips it
@@ -268,6 +277,18 @@ class CompileCache:
         if disk is not None:
             disk.evict(keep=key)
         return CacheResult(Source.LOWERED, artifact, compile_seconds=compile_s, load_seconds=load_s)
+
+    @staticmethod
+    def _no_room(e: OSError, t0: float) -> CacheResult:
+        """A piece whose artifact no directory can hold: failed, with the reason (the
+        backend then runs it eagerly, or raises under ``fallback='error'``). Not
+        remembered as a failure: the next identical piece tries again, space may be free
+        by then."""
+        failure = (
+            f"no room to write its artifact, in the disk cache or in scratch space ({e}); "
+            "free some disk space, or set TMPDIR to a disk that has some"
+        )
+        return CacheResult(Source.FAILED, failure=failure, error=e, compile_seconds=time.perf_counter() - t0)
 
     def _from_disk(self, disk: DiskCache, key: str, num_threads: int) -> CacheResult | None:
         path = disk.lookup(key)

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from qaic_dynamo._compat import FakeTensor, FakeTensorMode, detect_fake_mode, new_shape_env
+from qaic_dynamo._compat import FakeTensor, FakeTensorMode, detect_fake_mode, new_shape_env, through_dynamo
 from qaic_dynamo.artifact import ONNX_FILE
 from qaic_dynamo.cache import DiskCache, Source, artifact_cache
 from qaic_dynamo.compiler.collector import collector_paused
@@ -313,7 +313,15 @@ class QaicBackend:
 def qaic_backend(
     gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None, mode: str | None = None
 ) -> Any:
-    """``torch.compile(backend="qaic", options=...)`` lands here (entry point)."""
-    if mode is not None:
-        raise ConfigError(f"backend 'qaic' has no modes (got mode={mode!r}); pass options={{...}} instead")
-    return QaicBackend(CompilationConfig.from_options(options))(gm, example_inputs)
+    """``torch.compile(backend="qaic", options=...)`` lands here (entry point).
+
+    torch.compile hands its ``options`` to the backend only at the first compile, so they
+    are validated here; a bad one raises the ConfigError itself (not wrapped in Dynamo's
+    ``BackendCompilerFailed``), its message first."""
+    try:
+        if mode is not None:
+            raise ConfigError(f"backend 'qaic' has no modes (got mode={mode!r}); pass options={{...}} instead")
+        config = CompilationConfig.from_options(options)
+    except ConfigError as e:
+        raise through_dynamo(e) from None
+    return QaicBackend(config)(gm, example_inputs)
