@@ -1,8 +1,8 @@
 """Ops that ran as eager pieces in the OpInfo sweep (benchmarks/op_coverage.py) and now
 compile, each compared with eager: reductions and squeezes of 0-d tensors (ONNX shape
 inference rejected them), fmax / fmin, copysign and cumprod / vander (prims with no ONNX
-function), kthvalue (as a sort), avg_pool with divisor_override, and uint8 / int8 / int16 inputs and outputs (the
-runtime did not bind them)."""
+function), kthvalue (as a sort), avg_pool with divisor_override, and uint8 / int8 / int16 and
+complex inputs and outputs (the runtime did not bind them)."""
 
 from __future__ import annotations
 
@@ -124,3 +124,65 @@ def test_avg_pool_with_a_divisor_override(fn):
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.bool])
 def test_all_of_a_0d_integer_tensor_keeps_eagers_result_type(dtype):
     assert_compiled_like_eager(lambda x: (x.all(0), x.all(-1, keepdim=True)), torch.tensor(3).to(dtype))
+
+
+# Complex values cross a piece's boundary as real pairs (torch.onnx's lowering of a
+# complex tensor, torch.view_as_real's layout): they ran as eager pieces.
+COMPLEX_OUT = {
+    "fft": lambda x, y: torch.fft.fft(x),
+    "rfft_ortho": lambda x, y: torch.fft.rfft(x, n=10, norm="ortho"),
+    "ifft": lambda x, y: torch.fft.ifft(x, dim=0),
+    "fftn": lambda x, y: torch.fft.fftn(x),
+    "fft2": lambda x, y: torch.fft.fft2(x),
+    "ihfft": lambda x, y: torch.fft.ihfft(x),
+    "view_as_complex": lambda x, y: torch.view_as_complex(x.reshape(4, 4, 2)) * 2,
+    "complex": lambda x, y: torch.complex(x, y),
+    "polar": lambda x, y: torch.polar(x.abs(), y),
+    "cfloat": lambda x, y: x.cfloat(),
+    "cdouble": lambda x, y: x.cdouble(),
+}
+
+
+@pytest.mark.parametrize("fn", COMPLEX_OUT.values(), ids=COMPLEX_OUT.keys())
+def test_complex_outputs_as_real_pairs(fn):
+    torch.manual_seed(0)
+    assert_compiled_like_eager(fn, torch.randn(4, 8), torch.randn(4, 8))
+
+
+COMPLEX_IN = {
+    "fft": lambda z: torch.fft.fft(z, dim=0),
+    "irfft": lambda z: torch.fft.irfft(z),
+    "arithmetic": lambda z: z * z + 1 / (z + 2),
+    "abs": lambda z: z.abs(),
+    "sum": lambda z: z.sum(0),
+    "matmul": lambda z: z @ z.T,
+}
+
+
+@pytest.mark.parametrize("fn", COMPLEX_IN.values(), ids=COMPLEX_IN.keys())
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_complex_inputs_as_real_pairs(fn, dtype):
+    torch.manual_seed(0)
+    assert_compiled_like_eager(fn, torch.randn(4, 8, dtype=dtype))
+
+
+def test_complex_angle():
+    # complex64 only: ONNX Runtime has no double Atan kernel (a complex128 angle piece
+    # runs eagerly, and says so)
+    assert_compiled_like_eager(lambda z: z.angle(), torch.randn(4, 8, dtype=torch.complex64))
+
+
+def test_a_lazily_conjugated_input_is_bound_as_its_value():
+    # Its memory holds the unconjugated numbers; bound as it was, every imaginary part
+    # came back negated.
+    z = torch.randn(4, 8, dtype=torch.complex64)
+    assert z.conj().is_conj()
+    assert_compiled_like_eager(lambda z: z * 2, z.conj())
+
+
+def test_a_conjugate_of_an_input_stays_a_view_of_it():
+    z = torch.randn(4, 8, dtype=torch.complex64)
+    out = torch.compile(lambda z: (z.conj(), z.imag), backend="qaic")(z)
+    assert out[0].is_conj() and out[0].untyped_storage().data_ptr() == z.untyped_storage().data_ptr()
+    assert out[1].untyped_storage().data_ptr() == z.untyped_storage().data_ptr()
+    torch.testing.assert_close(out[0].resolve_conj(), z.conj().resolve_conj())

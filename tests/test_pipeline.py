@@ -243,7 +243,7 @@ def test_an_unreadable_layout_is_recompiled_with_a_warning(damage, caplog):
 
 
 class Unbindable(nn.Module):
-    """A piece the runtime cannot run (a complex64 output), refused while lowering. Its ops
+    """A piece the runtime cannot run (a complex32 output), refused while lowering. Its ops
     are all torch's, so the refusal is remembered under its key (a piece with another
     library's op is lowered again in every graph)."""
 
@@ -252,7 +252,7 @@ class Unbindable(nn.Module):
         self.a = nn.Linear(8, 8)
 
     def forward(self, x):
-        return (self.a(x) * 3).to(torch.complex64)
+        return (self.a(x) * 3).to(torch.complex32)
 
 
 def test_fallback_error_after_an_eager_fallback_still_raises():
@@ -268,7 +268,7 @@ def test_fallback_error_after_an_eager_fallback_still_raises():
         torch.no_grad(),
     ):
         torch.compile(model, backend="qaic", options={"fallback": "error"})(x)
-    assert "cannot bind out0 (complex64)" in str(e.value)
+    assert "cannot bind out0 (complex32)" in str(e.value)
 
 
 def test_a_remembered_failure_is_not_reported_as_reused():

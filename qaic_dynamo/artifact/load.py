@@ -14,7 +14,7 @@ from qaic_dynamo.artifact.expressions import shape_function, symbol_function
 from qaic_dynamo.artifact.files import LAYOUT_FILE, ONNX_FILE
 from qaic_dynamo.artifact.layout import PieceLayout
 from qaic_dynamo.errors import ArtifactError
-from qaic_dynamo.runtime import ONNX_ELEMENT_TYPES, create_session, dtype_name
+from qaic_dynamo.runtime import BINDABLE, create_session, dtype_name
 
 __all__ = ["Artifact", "load"]
 
@@ -61,9 +61,9 @@ def load(path: Path, num_threads: int | None = None) -> Artifact:
     dtypes = []
     for o in layout.outputs:
         dtype = getattr(torch, str(o.get("dtype")), None)
-        if dtype not in ONNX_ELEMENT_TYPES:
+        if dtype not in BINDABLE:
             raise ArtifactError(
-                f"output {o['name']} is {o.get('dtype')}; the runtime binds {sorted(dtype_name(d) for d in ONNX_ELEMENT_TYPES)}"
+                f"output {o['name']} is {o.get('dtype')}; the runtime binds {sorted(dtype_name(d) for d in BINDABLE)}"
             )
         dtypes.append(dtype)
     threads = num_threads or torch.get_num_threads()

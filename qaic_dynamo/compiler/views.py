@@ -79,6 +79,14 @@ _VIEW_NAMES = frozenset(
         "int",
         "long",
         "bool",  # same dtype: returns self
+        # complex views: a lazily conjugated view, the real / imaginary parts
+        "conj",
+        "_conj",
+        "adjoint",
+        "real",
+        "imag",
+        "resolve_conj",  # return self when nothing is lazy
+        "resolve_neg",
     }
 )
 

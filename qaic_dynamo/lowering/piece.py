@@ -31,7 +31,7 @@ from qaic_dynamo.lowering.exporter import lower_with_exporter
 from qaic_dynamo.lowering.finish import finish_piece_model
 from qaic_dynamo.lowering.prepare import PreparedPiece, prepare
 from qaic_dynamo.lowering.translate import translate_aten
-from qaic_dynamo.runtime import ONNX_ELEMENT_TYPES, dtype_name
+from qaic_dynamo.runtime import BINDABLE, dtype_name
 
 __all__ = ["grad_mode_refusal", "lower_piece"]
 
@@ -114,22 +114,20 @@ def grad_mode_refusal(gm: fx.GraphModule, graph_grad_mode: bool) -> str | None:
 
 def _check_bindable(layout: PieceLayout, example_args: Sequence[Any]) -> None:
     """Refuse, before any export, a piece whose ONNX inputs or outputs have a dtype the
-    runtime cannot bind (uint8, int8, complex, ...): its artifact could never load."""
+    runtime cannot bind (uint16+, complex32, ...): its artifact could never load."""
     bad = [
-        (o["name"], o.get("dtype"))
-        for o in layout.outputs
-        if getattr(torch, str(o.get("dtype")), None) not in ONNX_ELEMENT_TYPES
+        (o["name"], o.get("dtype")) for o in layout.outputs if getattr(torch, str(o.get("dtype")), None) not in BINDABLE
     ]
     for i in layout.inputs:
         src = i["source"]
         if src[0] == "arg" and isinstance(example_args[src[1]], torch.Tensor):
             dtype = example_args[src[1]].dtype
-            if dtype not in ONNX_ELEMENT_TYPES:
+            if dtype not in BINDABLE:
                 bad.append((i["name"], dtype_name(dtype)))
     if bad:
         raise LoweringError(
             f"the runtime cannot bind {', '.join(f'{n} ({d})' for n, d in bad)}; it binds "
-            f"{sorted(dtype_name(d) for d in ONNX_ELEMENT_TYPES)}. Cast to a supported dtype inside the model, "
+            f"{sorted(dtype_name(d) for d in BINDABLE)}. Cast to a supported dtype inside the model, "
             "or leave this part to eager PyTorch"
         )
 

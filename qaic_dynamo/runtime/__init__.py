@@ -14,7 +14,13 @@ host; without the SDK, ``runtime="qaic"`` is refused up front with a clear error
 """
 
 from qaic_dynamo.runtime.autograd import no_backward
-from qaic_dynamo.runtime.binding import MAX_SIZE_CARRIER, ONNX_ELEMENT_TYPES, SIZE_CARRIER_DTYPE, dtype_name
+from qaic_dynamo.runtime.binding import (
+    BINDABLE,
+    MAX_SIZE_CARRIER,
+    ONNX_ELEMENT_TYPES,
+    SIZE_CARRIER_DTYPE,
+    dtype_name,
+)
 from qaic_dynamo.runtime.fallback import warn_fallback
 from qaic_dynamo.runtime.openmp import release_openmp_workers
 from qaic_dynamo.runtime.qaic_sdk import (
@@ -30,6 +36,7 @@ from qaic_dynamo.runtime.session import create_session, session_options
 __all__ = [
     "MAX_SIZE_CARRIER",
     "ONNX_ELEMENT_TYPES",
+    "BINDABLE",
     "QAIC_COMPILE_OWN_FLAGS",
     "SIZE_CARRIER_DTYPE",
     "PieceRunner",

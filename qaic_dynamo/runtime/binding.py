@@ -12,7 +12,15 @@ import onnx
 import onnxruntime as ort
 import torch
 
-__all__ = ["CPU_DEVICE", "MAX_SIZE_CARRIER", "ONNX_ELEMENT_TYPES", "SIZE_CARRIER_DTYPE", "dtype_name"]
+__all__ = [
+    "BINDABLE",
+    "CPU_DEVICE",
+    "MAX_SIZE_CARRIER",
+    "ONNX_ELEMENT_TYPES",
+    "REAL_PAIRS",
+    "SIZE_CARRIER_DTYPE",
+    "dtype_name",
+]
 
 #: torch dtype -> ONNX TensorProto element type: the dtypes an artifact's inputs and
 #: outputs may have (as IOBinding takes them; an integer type also covers bfloat16, which
@@ -29,6 +37,15 @@ ONNX_ELEMENT_TYPES: dict[torch.dtype, int] = {
     torch.uint8: onnx.TensorProto.UINT8,
     torch.bool: onnx.TensorProto.BOOL,
 }
+
+#: Complex dtypes, bound as their real pairs. torch.onnx lowers a complex value to a real
+#: one with a trailing dimension of 2 (real, imaginary), which is ``torch.view_as_real``'s
+#: layout of the same memory: a complex input or output is bound as that view, no copy.
+#: (complex32 has no ONNX Runtime kernels to run.)
+REAL_PAIRS: dict[torch.dtype, torch.dtype] = {torch.complex64: torch.float32, torch.complex128: torch.float64}
+
+#: Every dtype an artifact's input or output may have.
+BINDABLE = frozenset(ONNX_ELEMENT_TYPES) | frozenset(REAL_PAIRS)
 
 #: The dtype of a size carrier: the ONNX input a ``["size", i]`` source binds, a tensor
 #: whose length is the piece's int argument i (its values are never read).

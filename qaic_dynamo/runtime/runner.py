@@ -163,6 +163,8 @@ class PieceRunner(torch.nn.Module):
     def _attach(self, b: _ThreadBinding, name: str, t: torch.Tensor, output: bool = False) -> None:
         sig = (t.data_ptr(), t.shape, t.dtype, output)
         if b.bound.get(name) != sig:
+            if t.is_complex():  # the artifact's value is the real pairs (REAL_PAIRS)
+                t = torch.view_as_real(t)
             dtype = ONNX_ELEMENT_TYPES.get(t.dtype)
             if dtype is None:
                 raise PieceRunError(f"{name} is {t.dtype}, which the runtime cannot bind")
@@ -253,6 +255,9 @@ class PieceRunner(torch.nn.Module):
                         )
                 if not contiguous:
                     t = t.contiguous()
+                    keep.append(t)
+                if t.is_complex() and t.is_conj():  # a lazy conjugate: its memory is not its value
+                    t = t.resolve_conj()
                     keep.append(t)
             elif kind == "cache":
                 t = caches[src[1]][src[2]]
