@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from qaic_dynamo.lowering.semantics.attention import masked_attention, open_sdpa
+from qaic_dynamo.lowering.semantics.complex_values import conj_physical, pad_complex
 from qaic_dynamo.lowering.semantics.division import div_mode, floor_divide, integer_rest, remainder
 from qaic_dynamo.lowering.semantics.elementwise import atan2, expm1, integer_pow, log1p, nan_ignoring
 from qaic_dynamo.lowering.semantics.indexing import arange, index_add_in_float32, index_put_in_float32, scatter_reduce
@@ -54,6 +55,7 @@ from qaic_dynamo.lowering.semantics.scalar_reductions import (
     topk_of_scalar,
 )
 from qaic_dynamo.lowering.semantics.special import erfc, erfcx, signbit
+from qaic_dynamo.lowering.semantics.spectral import fft_in_double
 
 __all__ = ["TORCH_SEMANTICS", "open_sdpa"]
 
@@ -108,6 +110,10 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
     _aten.mean.default: mean_of_all_maybe_empty,
     torch.ops.prims.var.default: var_of_maybe_few,
     _aten.addmm.default: addmm_maybe_empty_inner,
+    **{op: fft_in_double(op) for op in (_aten._fft_r2c.default, _aten._fft_c2c.default, _aten._fft_c2r.default)},
+    _aten._conj_physical.default: conj_physical,
+    _aten.conj_physical.default: conj_physical,
+    _aten.constant_pad_nd.default: pad_complex,
     _aten.special_erfcx.default: erfcx,
     _aten.erfc.default: erfc,
     _aten.signbit.default: signbit,
