@@ -23,8 +23,10 @@ class PieceLayout:
         tensor argument carries as a dimension), ``["cache", u, j]`` (cache j of update
         u, resolved at call time) or ``["slot_mapping"]``.
     ``outputs``: one per ONNX output: ``{"name", "dtype", "shape", "target"}``; target is
-        ``["leaf", k]`` or ``["cache", u, j]`` (written in place); shape entries are ints
-        or expressions in the canonical symbols.
+        ``["leaf", k]``, ``["cache", u, j]`` (written in place) or ``["check", api_name,
+        is_matrix]`` (an ``info`` tensor the runner passes to
+        ``aten._linalg_check_errors`` after each run: eager's linear-algebra errors);
+        shape entries are ints or expressions in the canonical symbols.
     ``leaves``: the piece's flattened outputs: ``["onnx", i]``, ``["arg", i]`` (an input
         passed through), ``["dep", dtype]`` (a dependency token), ``["sym", expr]`` or
         ``["const", value]``.

@@ -26,6 +26,7 @@ from qaic_dynamo.config import CompilationConfig
 from qaic_dynamo.counter import compilation_counter
 from qaic_dynamo.errors import DirectPathError, LoweringError, SizeBranchError
 from qaic_dynamo.lowering.aten_trace import aten_graph
+from qaic_dynamo.lowering.checks import checks_to_outputs
 from qaic_dynamo.lowering.common import failing_op, first_line
 from qaic_dynamo.lowering.exporter import lower_with_exporter
 from qaic_dynamo.lowering.finish import finish_piece_model
@@ -161,7 +162,13 @@ def _lower_direct(prepared: PreparedPiece, opset: int, seconds: dict[str, float]
             raise at_primes from None
     seconds["aten_trace"] = time.perf_counter() - t0
     prepared.size_assumptions = list(gm.meta.get("size_assumptions", ()))
-    return translate_aten(gm, prepared.input_names, prepared.output_names, opset)
+    layout = prepared.layout
+    checks = checks_to_outputs(gm, first=len(layout.outputs))
+    model = translate_aten(gm, prepared.input_names, [*prepared.output_names, *(c["name"] for c in checks)], opset)
+    # Only now: the exporter, should the translation fail, lowers the piece as prepared.
+    layout.outputs = [*layout.outputs, *checks]
+    prepared.output_names = [*prepared.output_names, *(c["name"] for c in checks)]
+    return model
 
 
 def _export(prepared: PreparedPiece, opset: int, seconds: dict[str, float]) -> tuple[onnx.ModelProto, str | None]:

@@ -35,6 +35,9 @@ from qaic_dynamo.runtime.openmp import release_openmp_workers
 
 __all__ = ["PieceRunner", "RunnableArtifact"]
 
+#: What a ``["check", ...]`` output is passed to (see ``lowering.checks``).
+_CHECK_ERRORS = torch.ops.aten._linalg_check_errors.default
+
 
 class RunnableArtifact(Protocol):
     """What a runner needs of a loaded artifact (``qaic_dynamo.artifact.Artifact``)."""
@@ -117,6 +120,8 @@ class PieceRunner(torch.nn.Module):
             for spec, shape_fn, dtype in zip(layout.outputs, artifact.output_shapes, artifact.output_dtypes)
         ]
         self._leaves = layout.leaves
+        #: (output index, api name, is_matrix) of each error check (lowering.checks)
+        self._checks = [(i, t[1], t[2]) for i, (_, t, _, _) in enumerate(self._outputs) if t[0] == "check"]
         self._symbol_leaves = artifact.symbol_leaves
         spec = pytree.treespec_loads(layout.out_spec)
         self._spec = spec
@@ -352,6 +357,8 @@ class PieceRunner(torch.nn.Module):
             if defer:
                 raise EagerInstead(error) from e
             return self._eager_instead(args, error)
+        for i, api_name, is_matrix in self._checks:  # eager's error, if eager raises one
+            _CHECK_ERRORS(outs[i], api_name, is_matrix=is_matrix)
         # Outside the fallback: an error here is a bug in the layout, and must surface.
         return self._assemble(args, outs, sym)
 

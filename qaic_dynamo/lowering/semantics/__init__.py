@@ -20,6 +20,7 @@ from qaic_dynamo.lowering.semantics.division import div_mode, floor_divide, inte
 from qaic_dynamo.lowering.semantics.elementwise import atan2, expm1, integer_pow, log1p, nan_ignoring
 from qaic_dynamo.lowering.semantics.indexing import arange, index_add_in_float32, index_put_in_float32, scatter_reduce
 from qaic_dynamo.lowering.semantics.linear_algebra import addmm_maybe_empty_inner
+from qaic_dynamo.lowering.semantics.lu import det, inv_ex, lu_factor_ex, lu_solve, lu_unpack, plu, slogdet, solve_ex
 from qaic_dynamo.lowering.semantics.normalization import batch_norm_no_training, layer_norm_in_float32
 from qaic_dynamo.lowering.semantics.pooling import avg_pool_with_divisor
 from qaic_dynamo.lowering.semantics.reduced_floats import (
@@ -56,6 +57,14 @@ from qaic_dynamo.lowering.semantics.scalar_reductions import (
 )
 from qaic_dynamo.lowering.semantics.special import erfc, erfcx, signbit
 from qaic_dynamo.lowering.semantics.spectral import fft_in_double
+from qaic_dynamo.lowering.semantics.triangular import (
+    cholesky,
+    cholesky_ex,
+    cholesky_inverse,
+    cholesky_solve,
+    solve_triangular,
+    triangular_solve,
+)
 
 __all__ = ["TORCH_SEMANTICS", "open_sdpa"]
 
@@ -111,6 +120,21 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
     torch.ops.prims.var.default: var_of_maybe_few,
     _aten.addmm.default: addmm_maybe_empty_inner,
     **{op: fft_in_double(op) for op in (_aten._fft_r2c.default, _aten._fft_c2c.default, _aten._fft_c2r.default)},
+    # linear algebra, unrolled at the matrix's static size
+    _aten.linalg_lu_factor_ex.default: lu_factor_ex,
+    _aten.linalg_lu.default: plu,
+    _aten.lu_unpack.default: lu_unpack,
+    _aten.linalg_lu_solve.default: lu_solve,
+    _aten._linalg_solve_ex.default: solve_ex,
+    _aten.linalg_inv_ex.default: inv_ex,
+    _aten._linalg_det.default: det,
+    _aten._linalg_slogdet.default: slogdet,
+    _aten.linalg_solve_triangular.default: solve_triangular,
+    _aten.triangular_solve.default: triangular_solve,
+    _aten.linalg_cholesky_ex.default: cholesky_ex,
+    _aten.cholesky.default: cholesky,
+    _aten.cholesky_solve.default: cholesky_solve,
+    _aten.cholesky_inverse.default: cholesky_inverse,
     _aten._conj_physical.default: conj_physical,
     _aten.conj_physical.default: conj_physical,
     _aten.constant_pad_nd.default: pad_complex,
