@@ -214,3 +214,24 @@ def test_an_fft_of_a_length_that_is_no_power_of_two_is_as_close_as_eagers(fft, n
 def test_complex_ops_on_the_real_pairs(fn):
     torch.manual_seed(0)
     assert_compiled_like_eager(fn, torch.randn(4, 8, dtype=torch.complex64))
+
+
+@pytest.mark.parametrize("reduce", ["prod", "mean", "amax", "amin"])
+@pytest.mark.parametrize("include_self", [True, False])
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_index_reduce_as_a_scatter_reduce(reduce, include_self, dim):
+    torch.manual_seed(0)
+    x, source = torch.randn(4, 5, 6), torch.randn(4, 5, 6).narrow(dim, 0, 3).contiguous()
+    index = torch.tensor([2, 0, 2])  # a repeated slot, an untouched one
+    assert_compiled_like_eager(
+        lambda x, s, i: x.index_reduce(dim, i, s, reduce, include_self=include_self), x, source, index
+    )
+
+
+def test_index_reduce_of_a_0d_tensor():
+    assert_compiled_like_eager(
+        lambda x, s, i: x.index_reduce(0, i, s, "amax", include_self=False),
+        torch.tensor(1.5),
+        torch.tensor(2.5),
+        torch.tensor([0]),
+    )

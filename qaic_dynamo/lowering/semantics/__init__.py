@@ -18,7 +18,13 @@ from qaic_dynamo.lowering.semantics.attention import masked_attention, open_sdpa
 from qaic_dynamo.lowering.semantics.complex_values import conj_physical, pad_complex
 from qaic_dynamo.lowering.semantics.division import div_mode, floor_divide, integer_rest, remainder
 from qaic_dynamo.lowering.semantics.elementwise import atan2, expm1, integer_pow, log1p, nan_ignoring
-from qaic_dynamo.lowering.semantics.indexing import arange, index_add_in_float32, index_put_in_float32, scatter_reduce
+from qaic_dynamo.lowering.semantics.indexing import (
+    arange,
+    index_add_in_float32,
+    index_put_in_float32,
+    index_reduce,
+    scatter_reduce,
+)
 from qaic_dynamo.lowering.semantics.linear_algebra import addmm_maybe_empty_inner
 from qaic_dynamo.lowering.semantics.lu import det, inv_ex, lu_factor_ex, lu_solve, lu_unpack, plu, slogdet, solve_ex
 from qaic_dynamo.lowering.semantics.normalization import batch_norm_no_training, layer_norm_in_float32
@@ -72,6 +78,7 @@ _aten = torch.ops.aten
 #: Ops whose onnxscript translation disagrees with eager, decomposed in the aten trace.
 TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
     _aten.scatter_reduce.two: scatter_reduce,
+    _aten.index_reduce.default: index_reduce,
     _aten.arange.default: arange,
     _aten.arange.start: arange,
     _aten.arange.start_step: arange,

@@ -10,7 +10,7 @@ import torch
 
 _aten = torch.ops.aten
 
-__all__ = ["arange", "index_add_in_float32", "index_put_in_float32", "scatter_reduce"]
+__all__ = ["arange", "index_add_in_float32", "index_put_in_float32", "index_reduce", "scatter_reduce"]
 
 
 def scatter_reduce(x: Any, dim: int, index: Any, src: Any, reduce: str, *, include_self: bool = True) -> Any:
@@ -31,6 +31,19 @@ def scatter_reduce(x: Any, dim: int, index: Any, src: Any, reduce: str, *, inclu
         identity = float("-inf") if reduce == "amax" else float("inf")
         return x.masked_fill(touched, identity).scatter_reduce(dim, index, src, reduce, include_self=True)
     return NotImplemented
+
+
+def index_reduce(x: Any, dim: int, index: Any, source: Any, reduce: str, *, include_self: bool = True) -> Any:
+    """``index_reduce`` (no ONNX function): a ``scatter_reduce`` of ``source`` with
+    ``index`` spread along ``dim`` - the same reductions ("prod", "mean", "amax", "amin"),
+    the same ``include_self``."""
+    if source.dim() == 0:
+        spread = index.reshape(())
+    else:
+        d = dim % source.dim()
+        spread = index.reshape([-1 if i == d else 1 for i in range(source.dim())]).expand(source.shape)
+    out = scatter_reduce(x, dim, spread, source, reduce, include_self=include_self)
+    return x.scatter_reduce(dim, spread, source, reduce, include_self=include_self) if out is NotImplemented else out
 
 
 def arange(
