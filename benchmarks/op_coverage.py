@@ -12,7 +12,7 @@ before each), and lands in exactly one class, the first that applies:
   wrong                outputs differ (structure, dtype, shape, or values beyond atol=rtol=1e-4,
                        exact for integer/bool; NaNs equal), or eager raises and compiled does not
   graph_break          output matches, but Dynamo broke the graph or no graph reached the backend
-  eager_piece          output matches, but a piece (or the whole graph) ran eagerly
+  eager_piece          output matches, but a piece (or the whole graph, or the call) ran eagerly
   match                output matches, every piece compiled
 
 The headline share "with no eager piece" is match / (all samples - error_both). The
@@ -173,6 +173,7 @@ def run_sample(op, sample) -> dict:
     from torch._dynamo.utils import counters
 
     from qaic_dynamo.compiler import compile_reports
+    from qaic_dynamo.counter import compilation_counter
 
     fn, tensors = as_graph_fn(op, sample)
     want, eager_err = call(fn, tensors, seed=0)
@@ -181,10 +182,16 @@ def run_sample(op, sample) -> dict:
     torch._dynamo.reset()
     counters.clear()
     before = len(compile_reports())
+    unless_before = compilation_counter.num_eager_unless_calls
+    fallbacks_before = compilation_counter.num_eager_fallbacks
     got, comp_err = call(torch.compile(fn, backend="qaic", options=OPTIONS), tensors, seed=0)
     reports = compile_reports()[before:]
     eager = [r.eager for r in reports if r.eager]
     eager += [p.fallback or f"splitting op {p.detail}" for r in reports for p in r.pieces if p.runs_eagerly]
+    if compilation_counter.num_eager_unless_calls != unless_before:  # compiled, but this call ran eagerly
+        eager.append("the call ran eagerly: an input outside the domain the translation is exact on")
+    if compilation_counter.num_eager_fallbacks != fallbacks_before and not eager:  # the artifact failed to run
+        eager.append("a piece failed in ONNX Runtime at run time and ran eagerly")
     breaks = sorted(map(short_break, counters["graph_break"])) or ([] if reports else ["no graph reached the backend"])
     rec = {"eager": eager, "breaks": breaks}
     if eager_err is not None:

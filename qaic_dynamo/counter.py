@@ -67,6 +67,9 @@ class CompilationCounter:
     num_precompiled_saves: int = 0
     #: Saved traces found stale (a source file, a dropped guard changed) and discarded.
     num_precompiled_discards: int = 0
+    #: Calls of a piece that ran eagerly because its inputs fell outside the domain its
+    #: translation is exact on (an ``eager_unless`` output was False), that call only.
+    num_eager_unless_calls: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def counts(self) -> dict[str, int]:

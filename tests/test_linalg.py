@@ -10,6 +10,7 @@ import torch
 import torch._dynamo
 
 from qaic_dynamo import last_compile_report
+from qaic_dynamo.counter import compilation_counter
 
 
 @pytest.fixture(autouse=True)
@@ -21,7 +22,8 @@ def fresh_dynamo():
 
 def compiled_like_eager(fn, *args, atol=1e-4):
     want = fn(*args)
-    got = torch.compile(fn, backend="qaic", fullgraph=True, options={"fallback": "error"})(*args)
+    with compilation_counter.expect(num_eager_fallbacks=0, num_eager_unless_calls=0):  # at compile or run time
+        got = torch.compile(fn, backend="qaic", fullgraph=True, options={"fallback": "error"})(*args)
     torch.testing.assert_close(got, want, atol=atol, rtol=atol, equal_nan=True)
     report = last_compile_report()
     assert report.eager is None and not any(p.runs_eagerly for p in report.pieces), report.table()

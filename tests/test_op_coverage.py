@@ -12,6 +12,7 @@ import torch._dynamo
 import torch.nn.functional as F
 
 from qaic_dynamo import last_compile_report
+from qaic_dynamo.counter import compilation_counter
 
 
 @pytest.fixture(autouse=True)
@@ -23,7 +24,8 @@ def fresh_dynamo():
 
 def assert_compiled_like_eager(fn, *args):
     want = fn(*args)
-    got = torch.compile(fn, backend="qaic", fullgraph=True)(*args)
+    with compilation_counter.expect(num_eager_fallbacks=0, num_eager_unless_calls=0):  # at compile or run time
+        got = torch.compile(fn, backend="qaic", fullgraph=True)(*args)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, equal_nan=True)
     report = last_compile_report()
     assert report.eager is None and not any(p.runs_eagerly for p in report.pieces), report.table()
@@ -235,3 +237,66 @@ def test_index_reduce_of_a_0d_tensor():
         torch.tensor(2.5),
         torch.tensor([0]),
     )
+
+
+POLYNOMIALS = [
+    "chebyshev_polynomial_t",
+    "chebyshev_polynomial_u",
+    "chebyshev_polynomial_v",
+    "chebyshev_polynomial_w",
+    "shifted_chebyshev_polynomial_t",
+    "shifted_chebyshev_polynomial_u",
+    "shifted_chebyshev_polynomial_v",
+    "shifted_chebyshev_polynomial_w",
+    "hermite_polynomial_h",
+    "hermite_polynomial_he",
+    "laguerre_polynomial_l",
+    "legendre_polynomial_p",
+]
+# eager's special points (|x| = 1, x = 0, 0.5 - the shifted forms' ends), inside and
+# outside [-1, 1]; degrees negative, fractional, up to the closed forms and past them
+X = [-2.5, -1.0, -0.7, -0.3, 0.0, 0.25, 0.5, 0.9, 1.0, 1.7, 3.0]
+N = [-2.0, -0.5, 0.0, 1.0, 2.0, 3.7, 5.0, 6.0, 7.0, 8.0, 9.0, 12.0, 20.0, 32.0]
+
+
+@pytest.mark.parametrize("name", POLYNOMIALS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_special_polynomials_like_eager(name, dtype):
+    fn = getattr(torch.special, name)
+    x = torch.tensor(X, dtype=dtype).view(-1, 1)
+    n = torch.tensor(N, dtype=dtype).view(1, -1)
+    want = fn(x, n)
+    if dtype == torch.float64 and "chebyshev" in name:  # ONNX Runtime has no double Acos
+        with pytest.warns(RuntimeWarning, match="in float64: ONNX Runtime has no double Acos; runs eagerly"):
+            got = torch.compile(fn, backend="qaic")(x, n)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        return
+    got = torch.compile(fn, backend="qaic", options={"fallback": "error"})(x, n)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, equal_nan=True)
+    assert not any(p.runs_eagerly for p in last_compile_report().pieces)
+
+
+@pytest.mark.parametrize("name", ["chebyshev_polynomial_u", "hermite_polynomial_he", "legendre_polynomial_p"])
+def test_special_polynomials_with_a_number_for_x_or_n(name):
+    fn = getattr(torch.special, name)
+    x, n = torch.tensor(X), torch.tensor(N[:12])
+    assert_compiled_like_eager(lambda x: fn(x, 5), x)
+    assert_compiled_like_eager(lambda x: fn(x, 40), x)  # a static degree: its 40 steps
+    assert_compiled_like_eager(lambda n: fn(0.3, n), n)
+
+
+def test_a_degree_past_the_written_out_steps_runs_that_call_eagerly():
+    from qaic_dynamo.counter import compilation_counter
+
+    fn = torch.compile(torch.special.hermite_polynomial_he, backend="qaic", options={"fallback": "error"})
+    x = torch.tensor([1.5, -0.5])
+    with compilation_counter.expect(num_eager_unless_calls=0):
+        torch.testing.assert_close(
+            fn(x, torch.tensor([3.0, 30.0])), torch.special.hermite_polynomial_he(x, torch.tensor([3.0, 30.0]))
+        )
+    with compilation_counter.expect(num_eager_unless_calls=1):  # 40 > MAX_DEGREE: eager's answer, not a wrong one
+        n = torch.tensor([3.0, 40.0])
+        torch.testing.assert_close(fn(x, n), torch.special.hermite_polynomial_he(x, n))
+    with compilation_counter.expect(num_eager_unless_calls=0):  # past eager's limit: NaN, no steps
+        n = torch.tensor([3.0, 200.0])
+        torch.testing.assert_close(fn(x, n), torch.special.hermite_polynomial_he(x, n), equal_nan=True)

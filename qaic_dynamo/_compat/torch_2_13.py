@@ -430,8 +430,7 @@ class TorchOnnxInternals:
       the table for the ops it lacks;
     * ``_fx_passes.decompose_with_registry`` - the exporter's own decompositions, which
       the exporter fallback runs itself so that the size guards they take can be checked;
-    * ``_fx_passes.remove_assertion_nodes``, and from ``fx.passes.type_promotion`` the
-      exporter's type-promotion pass (``InsertTypePromotion``, its interpreter, rule table
+    * from ``fx.passes.type_promotion`` the exporter's type-promotion pass (``InsertTypePromotion``, its interpreter, rule table
       and ``get_type_promotion_rule``), run only on the nodes that need it;
     * ``_core._translate_fx_graph`` - one FX node at a time into an onnx_ir graph;
     * ``_ir_passes.add_opset_imports``.
@@ -453,7 +452,7 @@ _NEEDED = {
     "decomp": ("get_onnx_implemented_overloads",),
     "torch_decomp": ("_core_aten_decompositions_post_autograd", "decomposition_table"),
     "export_utils": ("_is_preservable_cia_op",),
-    "fx_passes": ("decompose_with_registry", "insert_type_promotion_nodes", "remove_assertion_nodes"),
+    "fx_passes": ("decompose_with_registry", "insert_type_promotion_nodes"),
     "type_promotion": (
         "InsertTypePromotion",
         "_TypePromotionInterpreter",

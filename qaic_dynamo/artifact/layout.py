@@ -25,7 +25,8 @@ class PieceLayout:
     ``outputs``: one per ONNX output: ``{"name", "dtype", "shape", "target"}``; target is
         ``["leaf", k]``, ``["cache", u, j]`` (written in place) or ``["check", api_name,
         is_matrix]`` (an ``info`` tensor the runner passes to
-        ``aten._linalg_check_errors`` after each run: eager's linear-algebra errors);
+        ``aten._linalg_check_errors`` after each run: eager's linear-algebra errors) or
+        ``["eager_unless", why]`` (a bool: where False, the call runs eagerly instead);
         shape entries are ints or expressions in the canonical symbols.
     ``leaves``: the piece's flattened outputs: ``["onnx", i]``, ``["arg", i]`` (an input
         passed through), ``["dep", dtype]`` (a dependency token), ``["sym", expr]`` or

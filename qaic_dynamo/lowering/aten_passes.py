@@ -1,7 +1,7 @@
 """Passes over the traced aten graph before translation, each fixing where the
 translation would differ from eager: float64 scalars kept exact, the exporter's type
-promotion (only where needed), ``sym_numel`` expanded, and ``-0.0`` kept apart from
-``0.0``."""
+promotion (only where needed), ``sym_numel`` expanded, ``-0.0`` kept apart from
+``0.0``, and assertions removed (except the semantics' own ``eager_unless``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 
 from qaic_dynamo._compat import pytree, torch_onnx_internals
+from qaic_dynamo.lowering.semantics.common import EAGER_UNLESS
 
 __all__ = [
     "NegativeZero",
@@ -20,9 +21,36 @@ __all__ = [
     "expand_sym_numel",
     "insert_type_promotion",
     "keep_negative_zeros_apart",
+    "remove_assertions",
 ]
 
 _aten = torch.ops.aten
+
+#: What torch.onnx's ``remove_assertion_nodes`` removes (ONNX has no assertions).
+_ASSERTIONS = frozenset(
+    {
+        _aten.sym_constrain_range_for_size.default,
+        _aten._assert_async.default,
+        _aten._assert_async.msg,
+        _aten._assert_scalar.default,
+        _aten._assert_tensor_metadata.default,
+    }
+)
+
+
+def remove_assertions(gm: fx.GraphModule) -> None:
+    """torch.onnx's ``remove_assertion_nodes``, keeping the ``eager_unless`` marks a
+    decomposition made (``lowering.checks`` turns them into outputs)."""
+    for m in gm.modules():
+        if not isinstance(m, fx.GraphModule):
+            continue
+        for node in list(m.graph.nodes):
+            if node.op != "call_function" or node.target not in _ASSERTIONS:
+                continue
+            if node.target is _aten._assert_async.msg and str(node.args[1]).startswith(EAGER_UNLESS):
+                continue
+            m.graph.erase_node(node)
+        m.recompile()
 
 
 def exact_float64_scalars(gm: fx.GraphModule) -> None:

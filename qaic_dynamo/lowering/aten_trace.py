@@ -25,10 +25,14 @@ from qaic_dynamo._compat import (
     no_tracing_context,
     python_dispatcher,
     symbolic_context,
-    torch_onnx_internals,
 )
 from qaic_dynamo.errors import DirectPathError, SizeBranchError
-from qaic_dynamo.lowering.aten_passes import exact_float64_scalars, expand_sym_numel, insert_type_promotion
+from qaic_dynamo.lowering.aten_passes import (
+    exact_float64_scalars,
+    expand_sym_numel,
+    insert_type_promotion,
+    remove_assertions,
+)
 from qaic_dynamo.lowering.registry import decompositions
 from qaic_dynamo.lowering.size_guards import guards_not_implied
 from qaic_dynamo.lowering.writes import is_mutation, refuse_aten_input_writes
@@ -89,7 +93,6 @@ def aten_graph(
     ``guards_follow_from``: Dynamo's sizes of the first inputs; a trace whose size guards
     (a branch a decomposition took on a size) do not follow from Dynamo's guards on those
     sizes is refused: the ONNX would serve sizes the branch does not hold for."""
-    internals = torch_onnx_internals()
     fakes = fake_inputs(example, dynamic_shapes, duck_shape=not keep_symbols_apart)
     with (
         no_tracing_context(),  # the passes below detect their fake mode through it
@@ -108,7 +111,7 @@ def aten_graph(
                 tracing_mode="fake",
             )(*fakes)
         insert_type_promotion(gm)
-        internals.fx_passes.remove_assertion_nodes(gm)
+        remove_assertions(gm)
     # The trace ran in a private shape env whose guards are dropped: if it specialised a
     # dynamic size to a number, the ONNX would silently serve one size. Let the exporter
     # (which refuses such a specialisation for a Dim.DYNAMIC) take the piece instead.

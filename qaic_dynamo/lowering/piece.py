@@ -163,7 +163,7 @@ def _lower_direct(prepared: PreparedPiece, opset: int, seconds: dict[str, float]
     seconds["aten_trace"] = time.perf_counter() - t0
     prepared.size_assumptions = list(gm.meta.get("size_assumptions", ()))
     layout = prepared.layout
-    checks = checks_to_outputs(gm, first=len(layout.outputs))
+    checks = checks_to_outputs(gm, first=len(layout.outputs), updates_caches=bool(layout.kv_updates))
     model = translate_aten(gm, prepared.input_names, [*prepared.output_names, *(c["name"] for c in checks)], opset)
     # Only now: the exporter, should the translation fail, lowers the piece as prepared.
     layout.outputs = [*layout.outputs, *checks]

@@ -26,6 +26,7 @@ import torch.fx as fx
 
 from qaic_dynamo._compat import pytree
 from qaic_dynamo.config import CompilationConfig
+from qaic_dynamo.counter import compilation_counter
 from qaic_dynamo.errors import CacheLayoutError, EagerInstead, PieceRunError
 from qaic_dynamo.native import _C
 from qaic_dynamo.runtime.autograd import no_backward
@@ -122,6 +123,8 @@ class PieceRunner(torch.nn.Module):
         self._leaves = layout.leaves
         #: (output index, api name, is_matrix) of each error check (lowering.checks)
         self._checks = [(i, t[1], t[2]) for i, (_, t, _, _) in enumerate(self._outputs) if t[0] == "check"]
+        #: output index of each domain test (lowering.checks): False runs the call eagerly
+        self._eager_unless = [i for i, (_, t, _, _) in enumerate(self._outputs) if t[0] == "eager_unless"]
         self._symbol_leaves = artifact.symbol_leaves
         spec = pytree.treespec_loads(layout.out_spec)
         self._spec = spec
@@ -357,6 +360,12 @@ class PieceRunner(torch.nn.Module):
             if defer:
                 raise EagerInstead(error) from e
             return self._eager_instead(args, error)
+        for i in self._eager_unless:
+            if not outs[i].item():  # outside the domain the translation is exact on
+                compilation_counter.bump(num_eager_unless_calls=1)
+                if defer:
+                    raise EagerInstead(None)
+                return self.eager(*args)
         for i, api_name, is_matrix in self._checks:  # eager's error, if eager raises one
             _CHECK_ERRORS(outs[i], api_name, is_matrix=is_matrix)
         # Outside the fallback: an error here is a bug in the layout, and must surface.

@@ -28,6 +28,7 @@ from qaic_dynamo.lowering.semantics.indexing import (
 from qaic_dynamo.lowering.semantics.linear_algebra import addmm_maybe_empty_inner
 from qaic_dynamo.lowering.semantics.lu import det, inv_ex, lu_factor_ex, lu_solve, lu_unpack, plu, slogdet, solve_ex
 from qaic_dynamo.lowering.semantics.normalization import batch_norm_no_training, layer_norm_in_float32
+from qaic_dynamo.lowering.semantics.polynomials import POLYNOMIALS
 from qaic_dynamo.lowering.semantics.pooling import avg_pool_with_divisor
 from qaic_dynamo.lowering.semantics.reduced_floats import (
     in_float32,
@@ -142,6 +143,7 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
     _aten.cholesky.default: cholesky,
     _aten.cholesky_solve.default: cholesky_solve,
     _aten.cholesky_inverse.default: cholesky_inverse,
+    **POLYNOMIALS,
     _aten._conj_physical.default: conj_physical,
     _aten.conj_physical.default: conj_physical,
     _aten.constant_pad_nd.default: pad_complex,

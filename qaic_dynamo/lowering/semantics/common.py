@@ -8,10 +8,32 @@ from typing import Any
 
 import torch
 
-__all__ = ["FLOATS", "REDUCED", "integer_result", "operands", "reduced_dims", "round_to"]
+__all__ = [
+    "EAGER_UNLESS",
+    "FLOATS",
+    "REDUCED",
+    "eager_unless",
+    "integer_result",
+    "operands",
+    "reduced_dims",
+    "round_to",
+]
 
 
 FLOATS = (torch.float32, torch.float64)
+
+#: The message prefix of an :func:`eager_unless` node (``lowering.checks`` reads it).
+EAGER_UNLESS = "qaic:eager-unless:"
+
+
+def eager_unless(ok: torch.Tensor, why: str) -> None:
+    """Declare, inside a decomposition, that the piece's result is eager's only where every
+    element of ``ok`` holds: the runner tests it after each run and, where it fails, runs
+    that call eagerly instead (``why`` names the case). For a translation exact on a
+    bounded domain (a recurrence written out to a fixed number of steps)."""
+    torch.ops.aten._assert_async.msg(ok.all(), EAGER_UNLESS + why)
+
+
 REDUCED = (torch.float16, torch.bfloat16)
 
 

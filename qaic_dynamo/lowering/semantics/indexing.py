@@ -37,11 +37,11 @@ def index_reduce(x: Any, dim: int, index: Any, source: Any, reduce: str, *, incl
     """``index_reduce`` (no ONNX function): a ``scatter_reduce`` of ``source`` with
     ``index`` spread along ``dim`` - the same reductions ("prod", "mean", "amax", "amin"),
     the same ``include_self``."""
-    if source.dim() == 0:
-        spread = index.reshape(())
-    else:
-        d = dim % source.dim()
-        spread = index.reshape([-1 if i == d else 1 for i in range(source.dim())]).expand(source.shape)
+    if x.dim() == 0:  # ONNX Runtime's ScatterElements takes no rank-0 data: as one element
+        one = index_reduce(x.reshape(1), 0, index, source.reshape(1), reduce, include_self=include_self)
+        return one.reshape(())
+    d = dim % source.dim()
+    spread = index.reshape([-1 if i == d else 1 for i in range(source.dim())]).expand(source.shape)
     out = scatter_reduce(x, dim, spread, source, reduce, include_self=include_self)
     return x.scatter_reduce(dim, spread, source, reduce, include_self=include_self) if out is NotImplemented else out
 
