@@ -300,3 +300,45 @@ def test_a_degree_past_the_written_out_steps_runs_that_call_eagerly():
     with compilation_counter.expect(num_eager_unless_calls=0):  # past eager's limit: NaN, no steps
         n = torch.tensor([3.0, 200.0])
         torch.testing.assert_close(fn(x, n), torch.special.hermite_polynomial_he(x, n), equal_nan=True)
+
+
+GAMMA_X = [-30.5, -9.3, -3.0, -2.5, -1.0, -0.7, -1e-8, -0.0, 0.0, 1e-8, 0.3, 0.5, 1.0, 1.5, 2.0, 2.7, 9.99, 10.0]
+GAMMA_X += [10.5, 33.3, 1e4, 1e10, 1e30, float("inf"), float("-inf"), float("nan")]
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [torch.lgamma, torch.digamma, *(lambda x, n=n: torch.polygamma(n, x) for n in range(1, 5))],
+    ids=["lgamma", "digamma", *(f"polygamma_{n}" for n in range(1, 5))],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_log_gamma_family_like_eager(fn, dtype):
+    x = torch.tensor(GAMMA_X, dtype=dtype)
+    if fn is not torch.lgamma and fn is not torch.digamma:  # trigamma at -3, -1, 0: eager's own call
+        x = x[((x > 0) | (x != torch.floor(x))) & ~(x < -24)]  # and zeta's sum is written out above -24
+    want = fn(x)
+    with compilation_counter.expect(num_eager_fallbacks=0, num_eager_unless_calls=0):
+        got = torch.compile(fn, backend="qaic", options={"fallback": "error"})(x)
+    tol = 2e-6 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(got, want, rtol=tol, atol=torch.finfo(dtype).tiny, equal_nan=True)  # subnormals: an ulp
+
+
+def test_trigamma_at_a_pole_runs_that_call_eagerly():
+    fn = torch.compile(lambda x: torch.polygamma(1, x), backend="qaic", options={"fallback": "error"})
+    x = torch.tensor([-3.0, 0.5], dtype=torch.float64)
+    with compilation_counter.expect(num_eager_unless_calls=1):
+        torch.testing.assert_close(fn(x), torch.polygamma(1, x))  # 7.3e31: eager's sin(-3 pi) is not 0
+
+
+def test_polygamma_far_below_zero_runs_that_call_eagerly():
+    fn = torch.compile(lambda x: torch.polygamma(3, x), backend="qaic", options={"fallback": "error"})
+    with compilation_counter.expect(num_eager_unless_calls=0):
+        torch.testing.assert_close(fn(torch.tensor([-23.5, 2.0])), torch.polygamma(3, torch.tensor([-23.5, 2.0])))
+    with compilation_counter.expect(num_eager_unless_calls=1):
+        x = torch.tensor([-40.5, 2.0])
+        torch.testing.assert_close(fn(x), torch.polygamma(3, x))
+
+
+@pytest.mark.parametrize("p", [1, 3])
+def test_mvlgamma_through_lgamma(p):
+    assert_compiled_like_eager(lambda x: torch.special.multigammaln(x, p), torch.tensor([1.5, 2.5, 7.25, 40.0]))

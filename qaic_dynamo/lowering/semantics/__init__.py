@@ -18,6 +18,7 @@ from qaic_dynamo.lowering.semantics.attention import masked_attention, open_sdpa
 from qaic_dynamo.lowering.semantics.complex_values import conj_physical, pad_complex
 from qaic_dynamo.lowering.semantics.division import div_mode, floor_divide, integer_rest, remainder
 from qaic_dynamo.lowering.semantics.elementwise import atan2, expm1, integer_pow, log1p, nan_ignoring
+from qaic_dynamo.lowering.semantics.gamma import digamma, lgamma, polygamma
 from qaic_dynamo.lowering.semantics.indexing import (
     arange,
     index_add_in_float32,
@@ -144,6 +145,11 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
     _aten.cholesky_solve.default: cholesky_solve,
     _aten.cholesky_inverse.default: cholesky_inverse,
     **POLYNOMIALS,
+    _aten.lgamma.default: lgamma,
+    torch.ops.prims.lgamma.default: lgamma,
+    _aten.digamma.default: digamma,
+    torch.ops.prims.digamma.default: digamma,
+    _aten.polygamma.default: polygamma,
     _aten._conj_physical.default: conj_physical,
     _aten.conj_physical.default: conj_physical,
     _aten.constant_pad_nd.default: pad_complex,
