@@ -342,3 +342,64 @@ def test_polygamma_far_below_zero_runs_that_call_eagerly():
 @pytest.mark.parametrize("p", [1, 3])
 def test_mvlgamma_through_lgamma(p):
     assert_compiled_like_eager(lambda x: torch.special.multigammaln(x, p), torch.tensor([1.5, 2.5, 7.25, 40.0]))
+
+
+def test_hypot_neither_overflows_nor_underflows():
+    x = torch.tensor([3.0, 1e30, 1e-30, 0.0, float("inf"), float("nan"), -4.0])
+    y = torch.tensor([4.0, 1e30, 1e-30, 0.0, float("nan"), 1.0, 0.0])
+    assert_compiled_like_eager(torch.hypot, x, y)
+
+
+@pytest.mark.parametrize("p", [0.0, 1.0, 2.0, 3.5, float("inf")])
+@pytest.mark.parametrize("rows", [4, 30], ids=["direct", "matmul_when_p2"])  # eager's choice at p = 2
+def test_cdist_as_eager_computes_it(p, rows):
+    torch.manual_seed(0)
+    x1, x2 = torch.randn(2, rows, 3), torch.randn(2, 5, 3)
+    x2[0, 0] = x1[0, 0]  # a zero distance
+    if rows < 25 or p != 2:
+        assert_compiled_like_eager(lambda a, b: torch.cdist(a, b, p=p), x1, x2)
+        return
+    # eager's matrix-product form is off by ~sqrt(eps) at the zero distance; ours (the
+    # direct difference) is never further from the exact distance than eager's
+    got = torch.compile(lambda a, b: torch.cdist(a, b, p=p), backend="qaic", options={"fallback": "error"})(x1, x2)
+    want, exact = (
+        torch.cdist(x1, x2, p=p),
+        torch.cdist(x1.double(), x2.double(), p=p, compute_mode="donot_use_mm_for_euclid_dist"),
+    )
+    assert ((got.double() - exact).abs() <= (want.double() - exact).abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("p", [0.0, 1.0, 2.0, 10.0])
+def test_pdist(p):
+    torch.manual_seed(0)
+    assert_compiled_like_eager(lambda x: F.pdist(x, p), torch.randn(6, 3))
+
+
+@pytest.mark.parametrize("right", [False, True])
+def test_searchsorted_and_bucketize(right):
+    seq = torch.tensor([[1.0, 2.0, 2.0, 5.0], [0.0, 0.5, 3.0, 3.0]])
+    values = torch.tensor([[2.0, 0.0, 6.0], [3.0, -1.0, 0.5]])
+    assert_compiled_like_eager(lambda s, v: torch.searchsorted(s, v, right=right), seq, values)
+    assert_compiled_like_eager(lambda s, v: torch.bucketize(v, s[0], right=right, out_int32=True), seq, values)
+    sorter = torch.tensor([[3, 0, 2, 1], [1, 0, 3, 2]])
+    unsorted = torch.gather(seq, -1, torch.argsort(sorter, -1))
+    assert_compiled_like_eager(
+        lambda s, v, o: torch.searchsorted(s, v, right=right, sorter=o), unsorted, values, sorter
+    )
+
+
+def test_searchsorted_of_an_unsorted_sequence_runs_that_call_eagerly():
+    fn = torch.compile(lambda s, v: torch.searchsorted(s, v), backend="qaic", options={"fallback": "error"})
+    with compilation_counter.expect(num_eager_unless_calls=1):  # eager's answer follows its search path
+        seq, values = torch.tensor([3.0, 1.0, 2.0, 0.5]), torch.tensor([1.5, 2.5])
+        assert torch.equal(fn(seq, values), torch.searchsorted(seq, values))
+    with compilation_counter.expect(num_eager_unless_calls=1):
+        seq, values = torch.tensor([0.5, 1.0, 2.0, 3.0]), torch.tensor([float("nan"), 2.5])
+        assert torch.equal(fn(seq, values), torch.searchsorted(seq, values))
+
+
+@pytest.mark.parametrize("op", [torch.cummax, torch.cummin])
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_cummax_and_cummin_with_ties_and_nans(op, dim):
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0], [float("nan"), 0.0, -1.0, 5.0], [2.0, 2.0, float("nan"), 2.0]])
+    assert_compiled_like_eager(lambda x: op(x, dim), x)

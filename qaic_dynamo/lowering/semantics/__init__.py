@@ -16,6 +16,7 @@ import torch
 
 from qaic_dynamo.lowering.semantics.attention import masked_attention, open_sdpa
 from qaic_dynamo.lowering.semantics.complex_values import conj_physical, pad_complex
+from qaic_dynamo.lowering.semantics.distances import cdist, hypot, pdist
 from qaic_dynamo.lowering.semantics.division import div_mode, floor_divide, integer_rest, remainder
 from qaic_dynamo.lowering.semantics.elementwise import atan2, expm1, integer_pow, log1p, nan_ignoring
 from qaic_dynamo.lowering.semantics.gamma import digamma, lgamma, polygamma
@@ -63,6 +64,7 @@ from qaic_dynamo.lowering.semantics.scalar_reductions import (
     sum_of_scalar,
     topk_of_scalar,
 )
+from qaic_dynamo.lowering.semantics.searching import bucketize, cumulative_extreme, searchsorted
 from qaic_dynamo.lowering.semantics.special import erfc, erfcx, signbit
 from qaic_dynamo.lowering.semantics.spectral import fft_in_double
 from qaic_dynamo.lowering.semantics.triangular import (
@@ -145,6 +147,16 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
     _aten.cholesky_solve.default: cholesky_solve,
     _aten.cholesky_inverse.default: cholesky_inverse,
     **POLYNOMIALS,
+    torch.ops.prims.hypot.default: hypot,
+    _aten.hypot.default: hypot,
+    _aten._cdist_forward.default: cdist,
+    _aten._pdist_forward.default: pdist,
+    _aten.searchsorted.Tensor: searchsorted,
+    _aten.searchsorted.Scalar: searchsorted,
+    _aten.bucketize.Tensor: bucketize,
+    _aten.bucketize.Scalar: bucketize,
+    _aten.cummax.default: cumulative_extreme(largest=True),
+    _aten.cummin.default: cumulative_extreme(largest=False),
     _aten.lgamma.default: lgamma,
     torch.ops.prims.lgamma.default: lgamma,
     _aten.digamma.default: digamma,
