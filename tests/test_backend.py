@@ -1000,23 +1000,21 @@ class TrainsABatchNorm(nn.Module):
         return F.batch_norm(x, self.mean, self.var, training=True) * 2.0
 
 
-def test_a_piece_that_writes_its_inputs_runs_eagerly_and_keeps_the_writes():
+def test_a_piece_that_writes_its_inputs_writes_them_back():
+    # Was refused (the piece ran eagerly to keep the writes); now the new values leave
+    # as outputs and the runner copies them in (test_write_back.py has the rest).
     torch.manual_seed(0)
     model, ref = WritesItsBuffer().eval(), WritesItsBuffer().eval()
     ref.load_state_dict(model.state_dict())
-    x = torch.randn(4, 8)
-    x_ref = x.clone()
-    with (
-        compilation_counter.expect(num_eager_fallbacks=1, num_backend_compilations=0),
-        pytest.warns(RuntimeWarning, match="writes in place into piece input"),
-        torch.no_grad(),
-    ):
-        out = torch.compile(model, backend="qaic")(x)
-    torch.testing.assert_close(out, ref(x_ref))
-    torch.testing.assert_close(x, x_ref)  # the input's write happened
-    torch.testing.assert_close(model.steps, ref.steps)  # so did the buffer's (1, not 0)
-    with pytest.raises(BackendCompilerFailed, match="writes in place into piece input.*return the new value"):
-        torch.compile(WritesItsBuffer(), backend="qaic", options={"fallback": "error"})(torch.randn(4, 8))
+    compiled = torch.compile(model, backend="qaic", options={"fallback": "error"})
+    with compilation_counter.expect(num_eager_fallbacks=0), torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(4, 8)
+            x_ref = x.clone()
+            torch.testing.assert_close(compiled(x), ref(x_ref))
+            torch.testing.assert_close(x, x_ref)  # the input's write happened
+            torch.testing.assert_close(model.steps, ref.steps)  # so did the buffer's (2 after 2 calls)
+    assert not any(p.runs_eagerly for p in last_compile_report().pieces)
 
 
 @pytest.mark.parametrize(
@@ -1024,27 +1022,31 @@ def test_a_piece_that_writes_its_inputs_runs_eagerly_and_keeps_the_writes():
     [nn.LeakyReLU(0.1, inplace=True), nn.ReLU6(inplace=True), TrainsABatchNorm()],
     ids=["positional-inplace", "hardtanh-inplace", "batch-norm-running-stats"],
 )
-def test_writes_spelled_by_flags_are_refused_too(module):
+def test_writes_spelled_by_flags_are_written_back_too(module):
     import copy
 
     ref, x = copy.deepcopy(module), torch.randn(4, 8)
     x_ref = x.clone()
-    with pytest.warns(RuntimeWarning, match="writes in place into piece input"), torch.no_grad():
-        out = torch.compile(module, backend="qaic")(x)
+    with compilation_counter.expect(num_eager_fallbacks=0), torch.no_grad():
+        out = torch.compile(module, backend="qaic", options={"fallback": "error"})(x)
     torch.testing.assert_close(out, ref(x_ref))
     torch.testing.assert_close(x, x_ref)
     torch.testing.assert_close(module.state_dict(), ref.state_dict())
 
 
-def test_an_input_write_only_the_aten_trace_shows_is_refused():
-    from qaic_dynamo.lowering import LoweringError, aten_graph
+def test_an_input_write_only_the_aten_trace_shows_is_written_back():
+    from qaic_dynamo.lowering import aten_graph
 
     def writes(x):
         torch.ops.aten.add_.Tensor(x, x)
         return x * 2
 
-    with pytest.raises(LoweringError, match="writes in place into piece input 0"):
-        aten_graph(writes, [torch.zeros(17, 4)], [{0: torch.export.Dim.DYNAMIC}], 18)
+    gm = aten_graph(writes, [torch.zeros(17, 4)], [{0: torch.export.Dim.DYNAMIC}], 18)
+    assert gm.meta["written_back"] == [0]
+    assert not any(n.target is torch.ops.aten.copy_.default for n in gm.graph.nodes)
+    x = torch.ones(17, 4)
+    doubled, new_x = gm(x)  # the functional graph: the write's value is one more output
+    assert torch.equal(doubled, torch.full((17, 4), 4.0)) and torch.equal(new_x, torch.full((17, 4), 2.0))
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,9 @@ class PieceLayout:
         ``["leaf", k]``, ``["cache", u, j]`` (written in place) or ``["check", api_name,
         is_matrix]`` (an ``info`` tensor the runner passes to
         ``aten._linalg_check_errors`` after each run: eager's linear-algebra errors) or
-        ``["eager_unless", why]`` (a bool: where False, the call runs eagerly instead);
+        ``["eager_unless", why]`` (a bool: where False, the call runs eagerly instead) or
+        ``["write", i]`` (argument i's value after the piece's in-place writes, which the
+        runner copies into it);
         shape entries are ints or expressions in the canonical symbols.
     ``leaves``: the piece's flattened outputs: ``["onnx", i]``, ``["arg", i]`` (an input
         passed through), ``["dep", dtype]`` (a dependency token), ``["sym", expr]`` or

@@ -26,16 +26,16 @@ from qaic_dynamo._compat import (
     python_dispatcher,
     symbolic_context,
 )
-from qaic_dynamo.errors import DirectPathError, SizeBranchError
+from qaic_dynamo.errors import DirectPathError, LoweringError, SizeBranchError
 from qaic_dynamo.lowering.aten_passes import (
     exact_float64_scalars,
     expand_sym_numel,
     insert_type_promotion,
     remove_assertions,
 )
-from qaic_dynamo.lowering.registry import decompositions
+from qaic_dynamo.lowering.registry import decompositions, functional_semantics
 from qaic_dynamo.lowering.size_guards import guards_not_implied
-from qaic_dynamo.lowering.writes import is_mutation, refuse_aten_input_writes
+from qaic_dynamo.lowering.writes import is_mutation, returned_written_inputs
 
 __all__ = ["aten_graph", "fake_inputs"]
 
@@ -75,6 +75,34 @@ def fake_inputs(
     return fakes
 
 
+def written_back_outputs(gm: fx.GraphModule, returned: frozenset[int]) -> None:
+    """Functionalising replays a write into an input as a ``copy_`` at the end of the
+    graph; the ONNX cannot write its input, so each such copy goes. For an input the
+    prepared piece already returns (``returned``) its value is an output; for any other
+    the copied value becomes one more output, and ``gm.meta["written_back"]`` lists those
+    inputs' indices (the lowering adds their layout outputs, the runner copies them)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    results = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+    written_back: list[int] = []
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.copy_.default and node.args[0] in placeholders:
+            index = placeholders.index(node.args[0])
+            if node.users or index in written_back:
+                raise LoweringError(f"{node.name} writes piece input {node.args[0].name} in place; runs eagerly")
+            if index not in returned:
+                results.append(node.args[1])
+                written_back.append(index)
+            elif node.args[1] not in results:
+                raise LoweringError(
+                    f"{node.name}: the written-back value of input {index} is not returned; runs eagerly"
+                )
+            gm.graph.erase_node(node)
+    output.args = (tuple(results),)
+    gm.meta["written_back"] = written_back
+    gm.recompile()
+
+
 def aten_graph(
     fn: Any,
     example: Sequence[torch.Tensor],
@@ -103,13 +131,16 @@ def aten_graph(
         # A few decompositions (rms_norm's) write in place; ONNX has no mutation. The
         # second trace is of an aten graph with no decompositions left, so it is cheap.
         if any(is_mutation(n) for n in gm.graph.nodes):
-            refuse_aten_input_writes(gm)
+            written_back = returned_written_inputs(gm)
             # Through an Interpreter, so node annotations (preserve_node_meta) carry over.
             first = gm
             gm = make_fx(
                 torch.func.functionalize(lambda *a: fx.Interpreter(first).run(*a), remove="mutations"),
+                # functional forms that appear only now (a training batch norm's)
+                decomposition_table=functional_semantics(),
                 tracing_mode="fake",
             )(*fakes)
+            written_back_outputs(gm, written_back)
         insert_type_promotion(gm)
         remove_assertions(gm)
     # The trace ran in a private shape env whose guards are dropped: if it specialised a

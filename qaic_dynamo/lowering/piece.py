@@ -163,12 +163,26 @@ def _lower_direct(prepared: PreparedPiece, opset: int, seconds: dict[str, float]
     seconds["aten_trace"] = time.perf_counter() - t0
     prepared.size_assumptions = list(gm.meta.get("size_assumptions", ()))
     layout = prepared.layout
-    checks = checks_to_outputs(gm, first=len(layout.outputs), updates_caches=bool(layout.kv_updates))
-    model = translate_aten(gm, prepared.input_names, [*prepared.output_names, *(c["name"] for c in checks)], opset)
+    extra = [*_written_back(prepared, gm.meta.get("written_back", ()))]
+    extra += checks_to_outputs(gm, first=len(layout.outputs) + len(extra), updates_caches=bool(layout.kv_updates))
+    model = translate_aten(gm, prepared.input_names, [*prepared.output_names, *(c["name"] for c in extra)], opset)
     # Only now: the exporter, should the translation fail, lowers the piece as prepared.
-    layout.outputs = [*layout.outputs, *checks]
-    prepared.output_names = [*prepared.output_names, *(c["name"] for c in checks)]
+    layout.outputs = [*layout.outputs, *extra]
+    prepared.output_names = [*prepared.output_names, *(c["name"] for c in extra)]
     return model
+
+
+def _written_back(prepared: PreparedPiece, inputs: Sequence[int]) -> list[dict[str, Any]]:
+    """Layout outputs for the inputs the aten graph writes back (by ONNX input index)."""
+    outputs = []
+    for k in inputs:
+        source = prepared.layout.inputs[k]["source"]
+        arg = source[1]
+        if source[0] != "arg" or arg in prepared.unwritable:
+            why = prepared.unwritable.get(arg, "is not an argument")
+            raise LoweringError(f"the piece writes its input {arg} in place, which {why}; it runs eagerly")
+        outputs.append({"name": f"written{arg}", "target": ["write", arg], **prepared.input_meta[arg]})
+    return outputs
 
 
 def _export(prepared: PreparedPiece, opset: int, seconds: dict[str, float]) -> tuple[onnx.ModelProto, str | None]:

@@ -19,7 +19,9 @@ arguments. The piece is copied and rewritten, each pass a function below:
 3. :func:`outputs_and_leaves` - tensors leave through ONNX; inputs passed through, sizes,
    constants and the updates' dependency tokens are produced by the runtime instead. A
    piece left with no ONNX output at all (dead code, pass-through, constants) has no
-   model: the runtime computes its leaves directly.
+   model: the runtime computes its leaves directly. An input the piece writes in place
+   (:func:`input_writes_written_back`) leaves as one more output, ``written<i>``, which
+   the runtime copies into it.
 4. :func:`export_inputs` - example tensors, names and dynamic dims for the exporter.
 
 The result, :class:`PreparedPiece`, is a pure graph and its ``PieceLayout``.
@@ -36,12 +38,13 @@ import sympy
 import torch
 import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from qaic_dynamo._compat import pytree
 from qaic_dynamo.artifact import PieceLayout, SymbolNames, canonical_names
 from qaic_dynamo.errors import LoweringError
 from qaic_dynamo.lowering.common import is_symbolic, size_hint
-from qaic_dynamo.lowering.writes import refuse_writes, written_tensors
+from qaic_dynamo.lowering.writes import input_write_error, input_writes, writes_metadata, written_tensors
 from qaic_dynamo.ops import QAIC_OPS, kv_cache_update_op
 from qaic_dynamo.runtime import MAX_SIZE_CARRIER, SIZE_CARRIER_DTYPE, dtype_name
 
@@ -54,7 +57,8 @@ __all__ = [
     "kv_updates_to_retained_state",
     "outputs_and_leaves",
     "prepare",
-    "refuse_input_writes",
+    "input_writes_written_back",
+    "unwritable_inputs",
     "size_expression",
     "sizes_from_tensors",
 ]
@@ -79,6 +83,10 @@ class PreparedPiece:
     #: Set by the direct lowering: the trace's size guards, which Dynamo's guards of this
     #: compile imply (in Dynamo's symbols); the layout records them for every reuse.
     size_assumptions: list[sympy.Basic] = field(default_factory=list)
+    #: Per tensor argument: its layout ``dtype`` and ``shape`` (for a written-back output).
+    input_meta: dict[int, dict[str, Any]] = field(default_factory=dict)
+    #: Tensor arguments that cannot be written back, with why (see ``unwritable_inputs``).
+    unwritable: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -99,6 +107,7 @@ class _Rewrite:
     retained: list[list[fx.Node]] = field(default_factory=list)
     slot_mapping: fx.Node | None = None
     dep_nodes: dict[fx.Node, str] = field(default_factory=dict)
+    written_back: list[int] = field(default_factory=list)  # inputs written in place, by index
 
 
 def _bind_symbols(rw: _Rewrite) -> None:
@@ -247,13 +256,7 @@ def outputs_and_leaves(rw: _Rewrite, out_val: Any) -> tuple[list[list[Any]], lis
             elif isinstance(val, torch.Tensor):
                 if leaf not in onnx_outputs:
                     onnx_outputs.append(leaf)
-                    out_meta.append(
-                        {
-                            "name": f"out{len(onnx_outputs) - 1}",
-                            "dtype": dtype_name(val.dtype),
-                            "shape": [canon.expr(d.node.expr) if is_symbolic(d) else size_hint(d) for d in val.shape],
-                        }
-                    )
+                    out_meta.append({"name": f"out{len(onnx_outputs) - 1}", **_value_meta(val, canon)})
                 leaves.append(["onnx", onnx_outputs.index(leaf)])
             else:
                 raise LoweringError(f"piece output {leaf.name} is a {type(val).__name__}")
@@ -280,25 +283,69 @@ def outputs_and_leaves(rw: _Rewrite, out_val: Any) -> tuple[list[list[Any]], lis
                     "shape": None,
                 }
             )
-    g.output(tuple(onnx_outputs + retained_nodes))
+    written: list[fx.Node] = []
+    for i in rw.written_back:  # the input's value after the piece's writes
+        val = rw.orig_of[rw.placeholders[i]].meta["val"]
+        outputs.append({"name": f"written{i}", "target": ["write", i], **_value_meta(val, canon)})
+        written.append(rw.placeholders[i])
+    g.output(tuple(onnx_outputs + retained_nodes + written))
     return leaves, outputs, pytree.treespec_dumps(spec)
 
 
-def refuse_input_writes(rw: _Rewrite) -> None:
+def _value_meta(val: torch.Tensor, canon: SymbolNames) -> dict[str, Any]:
+    return {
+        "dtype": dtype_name(val.dtype),
+        "shape": [canon.expr(d.node.expr) if is_symbolic(d) else size_hint(d) for d in val.shape],
+    }
+
+
+def unwritable_inputs(rw: _Rewrite) -> dict[int, str]:
+    """The tensor arguments a piece cannot write back, with why: one that requires grad
+    (eager's write would join its autograd history) or shares memory with another
+    argument (which of two writes lands would be up to the order of the copies)."""
+    vals = [rw.orig_of[ph].meta.get("val") for ph in rw.placeholders]
+    owners: dict[Any, list[int]] = {}
+    for i, v in enumerate(vals):
+        if isinstance(v, torch.Tensor):
+            owners.setdefault(StorageWeakRef(v.untyped_storage()), []).append(i)
+    why: dict[int, str] = {}
+    for i, v in enumerate(vals):
+        if not isinstance(v, torch.Tensor):
+            continue
+        others = [j for j in owners[StorageWeakRef(v.untyped_storage())] if j != i]
+        if v.requires_grad:
+            why[i] = "requires grad"
+        elif others:
+            why[i] = f"shares its memory with input {others[0]}"
+    return why
+
+
+def input_writes_written_back(rw: _Rewrite, unwritable: dict[int, str]) -> None:
     """An artifact cannot write its inputs (only retained state, the KV cache through
-    ``qaic::unified_kv_cache_update``): a piece that writes an input, or a view of one, in
-    place - a buffer's ``add_``, a cache of the model's own filled with ``index_copy_`` -
-    is refused, so it runs eagerly instead of losing the write."""
+    ``qaic::unified_kv_cache_update``). A piece that writes an input, or a view of one, in
+    place - a batch norm's running statistics, a buffer's ``add_`` - returns the input's
+    new value as one more output, which the runner copies into it (``written_back``).
+    Refused - the piece runs eagerly instead of losing the write - for an input in
+    ``unwritable``. (Writes this Dynamo-graph check misses are written back from the aten
+    graph: ``aten_trace.written_back_outputs``.)"""
     orig = rw.orig_of
-    refuse_writes(
-        [(orig[ph].name, orig[ph].meta.get("val")) for ph in rw.placeholders],
-        (
-            (orig[node], orig[w].meta.get("val"))
-            for node in rw.graph.nodes
-            for w in written_tensors(node)
-            if isinstance(w, fx.Node) and w in orig
-        ),
-    )
+    inputs = [(orig[ph].name, orig[ph].meta.get("val")) for ph in rw.placeholders]
+    writes = [
+        (node, orig[node], orig[w].meta.get("val"))
+        for node in rw.graph.nodes
+        for w in written_tensors(node)
+        if isinstance(w, fx.Node) and w in orig
+    ]
+    # A view of an input reshaped in place (squeeze_) is no data to write back, and the
+    # compiled output would lose the view: refused.
+    reshaped = input_writes(inputs, ((o, v) for node, o, v in writes if writes_metadata(node)))
+    for i, node in reshaped.items():
+        raise input_write_error(node, i, inputs[i][0])
+    hits = input_writes(inputs, ((o, v) for _, o, v in writes))
+    for i, node in sorted(hits.items()):
+        if i in unwritable or not isinstance(rw.example_args[i], torch.Tensor):
+            raise input_write_error(node, i, inputs[i][0])
+        rw.written_back.append(i)
 
 
 def export_inputs(
@@ -376,8 +423,9 @@ def prepare(gm: fx.GraphModule, example_args: Sequence[Any], fake_mode: Any) -> 
     _bind_symbols(rw)
     sizes_from_tensors(rw)
     kv_updates_to_retained_state(rw)
+    unwritable = unwritable_inputs(rw)
+    input_writes_written_back(rw, unwritable)
     leaves, outputs, out_spec = outputs_and_leaves(rw, out_val)
-    refuse_input_writes(rw)
     # A piece's dead code (Dynamo keeps it) must not reach ONNX; an in-place write whose
     # result nothing reads is not dead (fx's own test calls ``x.add_(1)`` pure).
     g.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or bool(written_tensors(n)))
@@ -402,6 +450,12 @@ def prepare(gm: fx.GraphModule, example_args: Sequence[Any], fake_mode: Any) -> 
         layout,
         real_example,
         [input_shape(example_args, src) for src in rw.input_sources],
+        input_meta={
+            i: _value_meta(rw.orig_of[ph].meta["val"], rw.canon)
+            for i, ph in enumerate(rw.placeholders)
+            if isinstance(rw.orig_of[ph].meta.get("val"), torch.Tensor)
+        },
+        unwritable=unwritable,
     )
 
 

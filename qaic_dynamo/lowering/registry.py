@@ -16,13 +16,15 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from qaic_dynamo._compat import torch_onnx_internals
 from qaic_dynamo.lowering.deferred import deferred_script_conversion
 from qaic_dynamo.lowering.semantics import TORCH_SEMANTICS
 from qaic_dynamo.lowering.signatures import leave_uninferred, memoized_op_signatures
 from qaic_dynamo.ops import QAIC_OPS
 
-__all__ = ["build_onnx_registry", "decompositions", "onnx_registry", "qaic_translations"]
+__all__ = ["build_onnx_registry", "decompositions", "functional_semantics", "onnx_registry", "qaic_translations"]
 
 
 def qaic_translations() -> dict[Any, Any]:
@@ -132,6 +134,16 @@ def decompositions(opset: int) -> dict[Any, Any]:
         # registry cannot translate (index_add) sends the piece to the exporter.
         table[op] = ours if op not in table else _or_else(ours, table[op])
     return table
+
+
+@functools.cache
+def functional_semantics() -> dict[Any, Any]:
+    """The semantics of ops that only functionalising produces (the functional form of a
+    mutable op): the table for the trace that removes mutations."""
+    return {op: fn for op, fn in TORCH_SEMANTICS.items() if op in _FUNCTIONAL_FORMS}
+
+
+_FUNCTIONAL_FORMS = frozenset({torch.ops.aten._native_batch_norm_legit_functional.default})
 
 
 def _or_else(first: Callable[..., Any], then: Callable[..., Any]) -> Callable[..., Any]:

@@ -4,7 +4,8 @@ An artifact cannot write its inputs (only retained state, the KV cache through
 ``qaic::unified_kv_cache_update``): a piece that writes an input, or a view of one, in
 place is refused, so it runs eagerly instead of losing the write. The Dynamo graph is
 checked before the rewrite (:func:`written_tensors`), and the aten graph after the trace
-(:func:`refuse_aten_input_writes`) for writes the first check did not recognise.
+for writes the first check did not recognise (a builtin such as ``torch.instance_norm``
+has no signature to read): those are written back from the functional graph.
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from qaic_dynamo.errors import LoweringError
 
-__all__ = ["input_write_error", "is_mutation", "refuse_aten_input_writes", "refuse_writes", "written_tensors"]
+__all__ = [
+    "input_write_error",
+    "input_writes",
+    "is_mutation",
+    "refuse_writes",
+    "returned_written_inputs",
+    "writes_metadata",
+    "written_tensors",
+]
 
 
 _INPLACE_OPERATORS = frozenset(
@@ -61,6 +70,37 @@ _INPLACE_DUNDERS = frozenset(
         "matmul",
     )
 )
+#: In-place ops that change a tensor's shape or strides, not its data (``v.squeeze_(1)``):
+#: an input so changed is not written back - the piece runs eagerly, which keeps the view.
+METADATA_WRITES = frozenset(
+    {
+        "squeeze_",
+        "unsqueeze_",
+        "transpose_",
+        "t_",
+        "swapaxes_",
+        "swapdims_",
+        "as_strided_",
+        "resize_",
+        "resize_as_",
+        "set_",
+        "detach_",
+        "requires_grad_",
+        "share_memory_",
+    }
+)
+
+
+def writes_metadata(node: fx.Node) -> bool:
+    """Whether ``node`` is one of :data:`METADATA_WRITES`."""
+    target = node.target
+    if node.op == "call_method":
+        return target in METADATA_WRITES
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return target.__name__.split(".")[0] in METADATA_WRITES
+    return getattr(target, "__name__", "") in METADATA_WRITES
+
+
 #: Flags that make a function write: ``F.relu(x, True)``, ``F.batch_norm(..., training=True)``
 #: (its running statistics), ``F.instance_norm(..., use_input_stats=True)``.
 _WRITE_FLAGS = ("inplace", "training", "use_input_stats")
@@ -94,6 +134,8 @@ def written_tensors(node: fx.Node) -> list[Any]:
         return []
     if node.kwargs.get("out") is not None:
         return [node.kwargs["out"]]
+    if isinstance(target, torch._ops.OpOverloadPacket):  # torch.ops.aten.foo called in the model
+        target = _overload_for(target, node) or target
     if isinstance(target, torch._ops.OpOverload):
         return [
             args[i] if i < len(args) else node.kwargs.get(a.name)
@@ -115,17 +157,44 @@ def written_tensors(node: fx.Node) -> list[Any]:
     return []
 
 
-def refuse_writes(inputs: list[tuple[str, Any]], writes: Iterable[tuple[fx.Node, Any]]) -> None:
-    """Raise if a written value (node, fake value) shares its storage with an input's
-    (name, fake value): a view of an input shares it too."""
-    storages: dict[Any, tuple[int, str]] = {}
-    for i, (name, val) in enumerate(inputs):
+def input_writes(inputs: list[tuple[str, Any]], writes: Iterable[tuple[fx.Node, Any]]) -> dict[int, fx.Node]:
+    """The inputs (by index) whose storage a written value (node, fake value) shares - a
+    view of an input shares it too - each with the first node writing it. Raises for an
+    input not in ``allowed`` ... when ``allowed`` is None-like: see :func:`refuse_writes`."""
+    storages: dict[Any, list[int]] = {}
+    for i, (_, val) in enumerate(inputs):
         if isinstance(val, torch.Tensor):
-            storages.setdefault(StorageWeakRef(val.untyped_storage()), (i, name))
+            storages.setdefault(StorageWeakRef(val.untyped_storage()), []).append(i)
+    hits: dict[int, fx.Node] = {}
     for node, val in writes:
-        hit = storages.get(StorageWeakRef(val.untyped_storage())) if isinstance(val, torch.Tensor) else None
-        if hit is not None:
-            raise input_write_error(node, *hit)
+        for i in storages.get(StorageWeakRef(val.untyped_storage()), []) if isinstance(val, torch.Tensor) else []:
+            hits.setdefault(i, node)
+    return hits
+
+
+def _overload_for(packet: Any, node: fx.Node) -> Any:
+    """The overload of ``packet`` a call with ``node``'s arguments resolves to: the first
+    (``default`` first) whose schema takes that many positional arguments and those
+    keywords, or None."""
+    names = sorted(packet.overloads(), key=lambda o: o != "default")
+    for name in names:
+        overload = getattr(packet, name)
+        arguments = overload._schema.arguments
+        positional = [a for a in arguments if not a.kwarg_only]
+        required = [a for a in positional if not a.has_default_value()]
+        if len(required) <= len(node.args) <= len(positional) and set(node.kwargs) <= {a.name for a in arguments}:
+            return overload
+    return None
+
+
+def refuse_writes(
+    inputs: list[tuple[str, Any]], writes: Iterable[tuple[fx.Node, Any]], allowed: frozenset[int] = frozenset()
+) -> None:
+    """Raise if a written value (node, fake value) shares its storage with an input's
+    (name, fake value) other than the ``allowed`` ones (those written back)."""
+    for i, node in input_writes(inputs, writes).items():
+        if i not in allowed:
+            raise input_write_error(node, i, inputs[i][0])
 
 
 def input_write_error(node: fx.Node, index: int, name: str) -> LoweringError:
@@ -142,12 +211,22 @@ def is_mutation(node: fx.Node) -> bool:
     )
 
 
-def refuse_aten_input_writes(gm: fx.GraphModule) -> None:
-    """The aten-level twin of :func:`refuse_input_writes`, for a write the Dynamo-graph
-    check did not recognise: every mutable op's written arguments, by the op's schema, must
-    not alias an input (functionalising would turn such a write into a copy nobody reads)."""
-    refuse_writes(
-        [(n.name, n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"],
+def returned_written_inputs(gm: fx.GraphModule) -> frozenset[int]:
+    """The inputs (by index) of an aten graph that a mutable op writes and the graph
+    returns itself: those the prepared piece writes back (their new value is already an
+    output). Any other input written is written back from the functional graph's
+    trailing copy (``aten_trace.written_back_outputs``)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    # Returned as itself: the output is the placeholder, or an in-place op's result (which
+    # make_fx records in its place) - either way the input's own memory.
+    returned = {
+        StorageWeakRef(v.untyped_storage())
+        for n in output.all_input_nodes
+        if isinstance(v := n.meta.get("val"), torch.Tensor)
+    }
+    written = input_writes(
+        [(n.name, n.meta.get("val")) for n in placeholders],
         (
             (node, w.meta.get("val"))
             for node in gm.graph.nodes
@@ -156,3 +235,4 @@ def refuse_aten_input_writes(gm: fx.GraphModule) -> None:
             if isinstance(w, fx.Node)
         ),
     )
+    return frozenset(i for i in written if StorageWeakRef(placeholders[i].meta["val"].untyped_storage()) in returned)

@@ -125,6 +125,8 @@ class PieceRunner(torch.nn.Module):
         self._checks = [(i, t[1], t[2]) for i, (_, t, _, _) in enumerate(self._outputs) if t[0] == "check"]
         #: output index of each domain test (lowering.checks): False runs the call eagerly
         self._eager_unless = [i for i, (_, t, _, _) in enumerate(self._outputs) if t[0] == "eager_unless"]
+        #: (output index, argument index) of each input written in place (lowering.prepare)
+        self._writes = [(i, t[1]) for i, (_, t, _, _) in enumerate(self._outputs) if t[0] == "write"]
         self._symbol_leaves = artifact.symbol_leaves
         spec = pytree.treespec_loads(layout.out_spec)
         self._spec = spec
@@ -368,6 +370,10 @@ class PieceRunner(torch.nn.Module):
                 return self.eager(*args)
         for i, api_name, is_matrix in self._checks:  # eager's error, if eager raises one
             _CHECK_ERRORS(outs[i], api_name, is_matrix=is_matrix)
+        if self._writes:
+            with torch.no_grad():  # an input written back never requires grad (see prepare)
+                for i, arg in self._writes:
+                    args[arg].copy_(outs[i])
         # Outside the fallback: an error here is a bug in the layout, and must surface.
         return self._assemble(args, outs, sym)
 

@@ -29,7 +29,11 @@ from qaic_dynamo.lowering.semantics.indexing import (
 )
 from qaic_dynamo.lowering.semantics.linear_algebra import addmm_maybe_empty_inner
 from qaic_dynamo.lowering.semantics.lu import det, inv_ex, lu_factor_ex, lu_solve, lu_unpack, plu, slogdet, solve_ex
-from qaic_dynamo.lowering.semantics.normalization import batch_norm_no_training, layer_norm_in_float32
+from qaic_dynamo.lowering.semantics.normalization import (
+    batch_norm_no_training,
+    batch_norm_training,
+    layer_norm_in_float32,
+)
 from qaic_dynamo.lowering.semantics.polynomials import POLYNOMIALS
 from qaic_dynamo.lowering.semantics.pooling import avg_pool_with_divisor
 from qaic_dynamo.lowering.semantics.reduced_floats import (
@@ -183,6 +187,7 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
         for op in (_aten._embedding_bag.default, _aten._embedding_bag_forward_only.default)
     },
     _aten._native_batch_norm_legit_no_training.default: batch_norm_no_training,
+    _aten._native_batch_norm_legit_functional.default: batch_norm_training,
     _aten.avg_pool2d.default: avg_pool_with_divisor(_aten.avg_pool2d.default, 2),
     _aten.avg_pool3d.default: avg_pool_with_divisor(_aten.avg_pool3d.default, 3),
     _aten._scaled_dot_product_flash_attention_for_cpu.default: masked_attention,

@@ -8,7 +8,7 @@ import torch
 
 _aten = torch.ops.aten
 
-__all__ = ["batch_norm_no_training", "layer_norm_in_float32"]
+__all__ = ["batch_norm_no_training", "batch_norm_training", "layer_norm_in_float32"]
 
 
 def layer_norm_in_float32(x: Any, shape: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Any:
@@ -47,3 +47,43 @@ def batch_norm_no_training(
     if bias is not None:
         out = out + channel(bias)
     return out.to(x.dtype), x.new_zeros((0,)), x.new_zeros((0,))
+
+
+def batch_norm_training(
+    x: Any,
+    weight: Any,
+    bias: Any,
+    running_mean: Any,
+    running_var: Any,
+    training: bool,
+    momentum: float,
+    eps: float,
+) -> Any:
+    """Training-mode ``_native_batch_norm_legit_functional``: (output, batch mean, batch
+    rstd, new running mean, new running var), as torch's decomposition computes them:
+    the running variance takes the *unbiased* batch variance, ``momentum`` weighs the
+    batch. onnxscript's translation (ONNX BatchNormalization in training mode) weighs
+    the other way round and normalized the output wrongly (off by 1.2 on randn input);
+    the piece writing the running statistics back (``prepare.input_writes_written_back``)
+    made it reachable."""
+    if not training:
+        return NotImplemented
+    work = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    dims = [0, *range(2, x.dim())]
+    shape = [-1] + [1] * (x.dim() - 2)
+    # two passes, in ops functionalising can trace (var_mean goes through prims there)
+    wide = x.to(work)
+    mean = wide.mean(dims, keepdim=True)
+    centered = wide - mean
+    biased_var = (centered * centered).mean(dims, keepdim=True)
+    rstd = torch.rsqrt(biased_var + eps)
+    out = (x - mean) * rstd
+    if weight is not None:
+        out = out * weight.flatten().reshape(shape)
+    if bias is not None:
+        out = out + bias.flatten().reshape(shape)
+    save_mean, save_rstd = mean.flatten(), rstd.flatten()
+    n = x.numel() / x.shape[1]
+    new_mean = momentum * save_mean + (1 - momentum) * running_mean
+    new_var = momentum * (biased_var.flatten() * (n / (n - 1))) + (1 - momentum) * running_var
+    return out.to(x.dtype), save_mean.to(x.dtype), save_rstd.to(x.dtype), new_mean, new_var
