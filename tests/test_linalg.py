@@ -113,3 +113,32 @@ def test_solving_for_no_columns():
     compiled_like_eager(
         lambda a, b: torch.linalg.lu_solve(*torch.linalg.lu_factor(a), b), torch.eye(3) * 2, torch.randn(3, 0)
     )
+
+
+QR = {
+    "qr_reduced": lambda a, c: torch.linalg.qr(a),
+    "qr_complete": lambda a, c: torch.linalg.qr(a, mode="complete"),
+    "qr_r": lambda a, c: torch.linalg.qr(a, mode="r")[1],
+    "geqrf": lambda a, c: torch.geqrf(a),
+    "householder_product": lambda a, c: torch.linalg.householder_product(
+        *torch.geqrf(a if a.shape[-2] >= a.shape[-1] else a.mT)
+    ),
+    "ormqr": lambda a, c: torch.ormqr(*torch.geqrf(a), c, left=True, transpose=True),
+    "ormqr_right": lambda a, c: torch.ormqr(*torch.geqrf(a), c.mT, left=False),
+}
+
+
+@pytest.mark.parametrize("fn", QR.values(), ids=QR.keys())
+@pytest.mark.parametrize("shape", [(5, 5), (3, 6, 4), (2, 4, 6)], ids=["square", "tall", "wide"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_qr_family_like_lapack(fn, shape, dtype):
+    # LAPACK's own reflectors: R's diagonal signs, tau and the packed vectors match eager
+    torch.manual_seed(0)
+    a = torch.randn(*shape, dtype=dtype)
+    compiled_like_eager(fn, a, torch.randn(*shape[:-2], shape[-2], 3, dtype=dtype))
+
+
+def test_qr_of_a_rank_deficient_matrix():
+    a = torch.zeros(4, 3)
+    a[:, 1] = 1.0  # two zero columns: reflectors with tau 0
+    compiled_like_eager(lambda a: (torch.linalg.qr(a), torch.geqrf(a)), a)

@@ -266,7 +266,7 @@ class PieceRunner(torch.nn.Module):
                 if not contiguous:
                     t = t.contiguous()
                     keep.append(t)
-                if t.is_complex() and t.is_conj():  # a lazy conjugate: its memory is not its value
+                if t.is_conj():  # a lazy conjugate (complex only): its memory is not its value
                     t = t.resolve_conj()
                     keep.append(t)
             elif kind == "cache":

@@ -20,6 +20,7 @@ from qaic_dynamo.lowering.semantics.distances import cdist, hypot, pdist
 from qaic_dynamo.lowering.semantics.division import div_mode, floor_divide, integer_rest, remainder
 from qaic_dynamo.lowering.semantics.elementwise import atan2, expm1, integer_pow, log1p, nan_ignoring
 from qaic_dynamo.lowering.semantics.gamma import digamma, lgamma, polygamma
+from qaic_dynamo.lowering.semantics.householder import geqrf, householder_product, ormqr, qr
 from qaic_dynamo.lowering.semantics.indexing import (
     arange,
     index_add_in_float32,
@@ -150,6 +151,10 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
     _aten.cholesky.default: cholesky,
     _aten.cholesky_solve.default: cholesky_solve,
     _aten.cholesky_inverse.default: cholesky_inverse,
+    _aten.geqrf.default: geqrf,
+    _aten.linalg_householder_product.default: householder_product,
+    _aten.ormqr.default: ormqr,
+    _aten.linalg_qr.default: qr,
     **POLYNOMIALS,
     torch.ops.prims.hypot.default: hypot,
     _aten.hypot.default: hypot,
