@@ -403,3 +403,61 @@ def test_searchsorted_of_an_unsorted_sequence_runs_that_call_eagerly():
 def test_cummax_and_cummin_with_ties_and_nans(op, dim):
     x = torch.tensor([[1.0, 3.0, 3.0, 2.0], [float("nan"), 0.0, -1.0, 5.0], [2.0, 2.0, float("nan"), 2.0]])
     assert_compiled_like_eager(lambda x: op(x, dim), x)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_put_as_a_flat_index_put(accumulate):
+    x, index, source = torch.zeros(3, 4), torch.tensor([0, -1, 5, 5]), torch.tensor([1.0, 2.0, 3.0, 4.0])
+    if not accumulate:
+        index = torch.tensor([0, -1, 5, 7])
+    assert_compiled_like_eager(lambda x, i, s: x.put(i, s, accumulate), x, index, source)
+
+
+@pytest.mark.parametrize("reduce", ["add", "multiply"])
+def test_scatter_with_a_reduce(reduce):
+    x, index, src = torch.ones(4, 3), torch.tensor([[0, 1, 2], [0, 0, 0]]), torch.full((2, 3), 2.0)
+    assert_compiled_like_eager(lambda x, i, s: x.scatter(0, i, s, reduce=reduce), x, index, src)
+    assert_compiled_like_eager(lambda x, i: x.scatter(0, i, 3.0, reduce=reduce), x, index)
+
+
+@pytest.mark.parametrize("offset, dim1, dim2", [(0, 0, 1), (1, 0, 1), (-2, 1, 0), (1, 2, 0)])
+def test_diagonal_scatter(offset, dim1, dim2):
+    torch.manual_seed(0)
+    x = torch.randn(4, 5, 3)
+    src = torch.diagonal(torch.randn(4, 5, 3), offset, dim1, dim2).contiguous()
+    assert_compiled_like_eager(lambda x, s: torch.diagonal_scatter(x, s, offset, dim1, dim2), x, src)
+
+
+@pytest.mark.parametrize("op", [torch.median, torch.nanmedian])
+def test_median_and_nanmedian(op):
+    torch.manual_seed(0)
+    x = torch.randn(5, 6)
+    assert_compiled_like_eager(lambda x: (op(x), op(x, 1), op(x, 0, keepdim=True)), x)
+
+
+def test_nanmedian_skips_nans_and_median_ties_run_eagerly():
+    x = torch.tensor([[1.0, float("nan"), 3.0, 2.0], [5.0, 4.0, float("nan"), float("nan")]])
+    assert_compiled_like_eager(lambda x: torch.nanmedian(x, 1), x)
+    fn = torch.compile(lambda x: torch.median(x, 1), backend="qaic", options={"fallback": "error"})
+    with compilation_counter.expect(num_eager_unless_calls=1):  # which of two equal values' index is eager's
+        ties = torch.tensor([[1.0, 2.0, 2.0, 3.0]])
+        got, want = fn(ties), torch.median(ties, 1)
+        assert torch.equal(got.values, want.values) and torch.equal(got.indices, want.indices)
+
+
+def test_a_stable_sort_without_ties_and_with_them():
+    fn = torch.compile(lambda x: torch.sort(x, dim=0, descending=True, stable=True), backend="qaic")
+    with compilation_counter.expect(num_eager_unless_calls=0, num_eager_fallbacks=0):
+        x = torch.randn(6, 3)
+        got, want = fn(x), torch.sort(x, dim=0, descending=True, stable=True)
+        assert torch.equal(got.values, want.values) and torch.equal(got.indices, want.indices)
+    with compilation_counter.expect(num_eager_unless_calls=1):
+        x = torch.tensor([[1.0], [2.0], [1.0], [2.0], [0.0], [1.0]]).expand(6, 3).contiguous()
+        got, want = fn(x), torch.sort(x, dim=0, descending=True, stable=True)
+        assert torch.equal(got.indices, want.indices)
+
+
+def test_ops_on_empty_tensors():
+    assert_compiled_like_eager(lambda x: F.unfold(x, 2, padding=1), torch.zeros(0, 2, 5, 5))
+    assert_compiled_like_eager(lambda x: F.pixel_unshuffle(x, 1), torch.zeros(1, 0, 2, 2))
+    assert_compiled_like_eager(lambda a, b: torch.cat([a, b]), torch.zeros(0), torch.zeros(0, dtype=torch.float64))

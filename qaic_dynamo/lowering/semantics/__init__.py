@@ -19,6 +19,7 @@ from qaic_dynamo.lowering.semantics.complex_values import conj_physical, pad_com
 from qaic_dynamo.lowering.semantics.distances import cdist, hypot, pdist
 from qaic_dynamo.lowering.semantics.division import div_mode, floor_divide, integer_rest, remainder
 from qaic_dynamo.lowering.semantics.elementwise import atan2, expm1, integer_pow, log1p, nan_ignoring
+from qaic_dynamo.lowering.semantics.empty import cat_of_empties, im2col_of_empty, pixel_unshuffle_of_empty
 from qaic_dynamo.lowering.semantics.gamma import digamma, lgamma, polygamma
 from qaic_dynamo.lowering.semantics.householder import geqrf, householder_product, ormqr, qr
 from qaic_dynamo.lowering.semantics.indexing import (
@@ -35,6 +36,7 @@ from qaic_dynamo.lowering.semantics.normalization import (
     batch_norm_training,
     layer_norm_in_float32,
 )
+from qaic_dynamo.lowering.semantics.order import median, median_dim, nanmedian, nanmedian_dim, sort_stable
 from qaic_dynamo.lowering.semantics.polynomials import POLYNOMIALS
 from qaic_dynamo.lowering.semantics.pooling import avg_pool_with_divisor
 from qaic_dynamo.lowering.semantics.reduced_floats import (
@@ -69,6 +71,7 @@ from qaic_dynamo.lowering.semantics.scalar_reductions import (
     sum_of_scalar,
     topk_of_scalar,
 )
+from qaic_dynamo.lowering.semantics.scattering import diagonal_scatter, put, scatter_with_reduce
 from qaic_dynamo.lowering.semantics.searching import bucketize, cumulative_extreme, searchsorted
 from qaic_dynamo.lowering.semantics.special import erfc, erfcx, signbit
 from qaic_dynamo.lowering.semantics.spectral import fft_in_double
@@ -156,6 +159,18 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
     _aten.ormqr.default: ormqr,
     _aten.linalg_qr.default: qr,
     **POLYNOMIALS,
+    _aten.put.default: put,
+    _aten.scatter.reduce: scatter_with_reduce,
+    _aten.scatter.value_reduce: scatter_with_reduce,
+    _aten.diagonal_scatter.default: diagonal_scatter,
+    _aten.median.default: median,
+    _aten.nanmedian.default: nanmedian,
+    _aten.median.dim: median_dim,
+    _aten.nanmedian.dim: nanmedian_dim,
+    _aten.sort.stable: sort_stable,
+    _aten.im2col.default: im2col_of_empty,
+    _aten.pixel_unshuffle.default: pixel_unshuffle_of_empty,
+    _aten.cat.default: cat_of_empties,
     torch.ops.prims.hypot.default: hypot,
     _aten.hypot.default: hypot,
     _aten._cdist_forward.default: cdist,
