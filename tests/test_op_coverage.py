@@ -461,3 +461,29 @@ def test_ops_on_empty_tensors():
     assert_compiled_like_eager(lambda x: F.unfold(x, 2, padding=1), torch.zeros(0, 2, 5, 5))
     assert_compiled_like_eager(lambda x: F.pixel_unshuffle(x, 1), torch.zeros(1, 0, 2, 2))
     assert_compiled_like_eager(lambda a, b: torch.cat([a, b]), torch.zeros(0), torch.zeros(0, dtype=torch.float64))
+
+
+BESSEL_X = [-30.0, -8.0, -2.5, -1e-3, -0.0, 0.0, 1e-6, 0.5, 2.0, 2.0001, 7.9, 8.0, 8.1, 30.0, 100.0, 700.0]
+BESSEL_X += [float("inf"), float("-inf"), float("nan")]
+BESSEL_OPS = {
+    "i0": torch.i0,
+    "i0e": torch.special.i0e,
+    "i1": torch.special.i1,
+    "i1e": torch.special.i1e,
+    "modified_bessel_i0": torch.special.modified_bessel_i0,
+    "modified_bessel_i1": torch.special.modified_bessel_i1,
+    "modified_bessel_k0": torch.special.modified_bessel_k0,
+    "modified_bessel_k1": torch.special.modified_bessel_k1,
+    "scaled_modified_bessel_k0": torch.special.scaled_modified_bessel_k0,
+    "scaled_modified_bessel_k1": torch.special.scaled_modified_bessel_k1,
+}
+
+
+@pytest.mark.parametrize("fn", BESSEL_OPS.values(), ids=BESSEL_OPS.keys())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_modified_bessel_functions(fn, dtype):
+    x = torch.tensor(BESSEL_X, dtype=dtype)
+    want = fn(x)
+    with compilation_counter.expect(num_eager_fallbacks=0):
+        got = torch.compile(fn, backend="qaic", options={"fallback": "error"})(x)
+    torch.testing.assert_close(got, want, rtol=2e-6 if dtype == torch.float32 else 1e-12, atol=0, equal_nan=True)

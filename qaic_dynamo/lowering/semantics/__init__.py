@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from qaic_dynamo.lowering.semantics.attention import masked_attention, open_sdpa
+from qaic_dynamo.lowering.semantics.bessel import BESSEL
 from qaic_dynamo.lowering.semantics.complex_values import conj_physical, pad_complex
 from qaic_dynamo.lowering.semantics.distances import cdist, hypot, pdist
 from qaic_dynamo.lowering.semantics.division import div_mode, floor_divide, integer_rest, remainder
@@ -159,6 +160,7 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
     _aten.ormqr.default: ormqr,
     _aten.linalg_qr.default: qr,
     **POLYNOMIALS,
+    **BESSEL,
     _aten.put.default: put,
     _aten.scatter.reduce: scatter_with_reduce,
     _aten.scatter.value_reduce: scatter_with_reduce,
