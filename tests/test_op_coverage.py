@@ -487,3 +487,24 @@ def test_modified_bessel_functions(fn, dtype):
     with compilation_counter.expect(num_eager_fallbacks=0):
         got = torch.compile(fn, backend="qaic", options={"fallback": "error"})(x)
     torch.testing.assert_close(got, want, rtol=2e-6 if dtype == torch.float32 else 1e-12, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_frexp_is_exact(dtype):
+    tiny = torch.finfo(dtype).tiny
+    x = torch.tensor(
+        [0.0, -0.0, 1.0, 0.75, -3.0, 0.5, 2.0**20, 1 - 2**-20, tiny, tiny / 8, 3e38, float("inf"), float("nan")]
+    )
+    assert_compiled_like_eager(torch.frexp, x.to(dtype))
+
+
+@pytest.mark.parametrize("size, fill", [(0, -1), (3, -1), (10, 7)])
+def test_nonzero_static(size, fill):
+    x = torch.tensor([[0.0, 1.0, 0.0], [2.0, 0.0, 3.0], [0.0, 0.0, 4.0]])
+    assert_compiled_like_eager(lambda x: torch.nonzero_static(x, size=size, fill_value=fill), x)
+
+
+@pytest.mark.parametrize("output_size", [(2, 3, 1), (5, 4, 3), (1, 1, 1)])
+def test_adaptive_avg_pool3d(output_size):
+    torch.manual_seed(0)
+    assert_compiled_like_eager(lambda x: F.adaptive_avg_pool3d(x, output_size), torch.randn(2, 3, 5, 7, 4))

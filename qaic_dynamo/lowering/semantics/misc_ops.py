@@ -1,0 +1,72 @@
+"""Ops with no ONNX function whose result is fixed by static sizes and plain arithmetic:
+``frexp`` (exponent from ``log2``, corrected by one either way, so it is exact),
+``nonzero_static`` (each nonzero element's coordinates scattered to its rank among the
+nonzero ones) and ``adaptive_avg_pool3d`` (the mean over each static window, one
+dimension at a time)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+__all__ = ["adaptive_avg_pool3d", "frexp", "nonzero_static"]
+
+
+def frexp(x: Any) -> Any:
+    """(mantissa, exponent) with ``x = mantissa * 2**exponent``, 0.5 <= |mantissa| < 1;
+    0, inf and NaN give (x, 0)."""
+    if x.dtype not in (torch.float32, torch.float64):
+        return NotImplemented
+    y = x.double()
+    finite = torch.isfinite(y) & (y != 0)
+    safe = torch.where(finite, y.abs(), 1.0)
+    e = torch.floor(torch.log2(safe)) + 1
+    m = safe / torch.pow(2.0, e)
+    # log2 rounds: one step either way puts the mantissa in [0.5, 1)
+    e = torch.where(m >= 1, e + 1, torch.where(m < 0.5, e - 1, e))
+    m = safe / torch.pow(2.0, e)
+    mantissa = torch.where(finite, torch.where(y < 0, -m, m), y)
+    exponent = torch.where(finite, e, 0.0).to(torch.int32)
+    return mantissa.to(x.dtype), exponent
+
+
+def nonzero_static(x: Any, *, size: int, fill_value: int = -1) -> Any:
+    """The coordinates of the first ``size`` nonzero elements (row-major), padded with
+    ``fill_value``: (size, x.dim()) int64."""
+    if not isinstance(size, int) or not all(isinstance(d, int) for d in x.shape):
+        return NotImplemented
+    rank = x.dim()
+    flat = (x != 0).reshape(-1)
+    n = flat.shape[0]
+    if size == 0 or n == 0 or rank == 0:
+        return torch.full((size, rank), fill_value, dtype=torch.int64)
+    position = torch.cumsum(flat.to(torch.int64), 0) - 1
+    target = torch.where(flat & (position < size), position, size)  # the rest: a row dropped below
+    index = torch.arange(n)
+    strides = [math.prod(x.shape[k + 1 :]) for k in range(rank)]
+    coords = torch.stack([torch.div(index, s, rounding_mode="floor") % d for s, d in zip(strides, x.shape)], -1)
+    out = torch.full((size + 1, rank), fill_value, dtype=torch.int64)
+    out = out.index_put((target,), coords)
+    return out[:size]
+
+
+def _adaptive_mean(x: torch.Tensor, dim: int, out_size: int) -> torch.Tensor:
+    n = x.shape[dim]
+    parts = []
+    for i in range(out_size):
+        start, end = (i * n) // out_size, -((-(i + 1) * n) // out_size)
+        parts.append(x.narrow(dim, start, end - start).mean(dim, keepdim=True))
+    return torch.cat(parts, dim)
+
+
+def adaptive_avg_pool3d(x: Any, output_size: Any) -> Any:
+    if x.dtype not in (torch.float32, torch.float64) or not all(isinstance(s, int) for s in output_size):
+        return NotImplemented
+    if x.numel() == 0:
+        return x.new_zeros((*x.shape[:-3], *output_size))
+    out = x
+    for k, size in enumerate(output_size):
+        out = _adaptive_mean(out, x.dim() - 3 + k, size)
+    return out
