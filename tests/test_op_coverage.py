@@ -508,3 +508,16 @@ def test_nonzero_static(size, fill):
 def test_adaptive_avg_pool3d(output_size):
     torch.manual_seed(0)
     assert_compiled_like_eager(lambda x: F.adaptive_avg_pool3d(x, output_size), torch.randn(2, 3, 5, 7, 4))
+
+
+@pytest.mark.parametrize("output_size", [(2, 3), (1, 1), (4, 4), (3, 5)])
+def test_adaptive_max_pool2d_with_indices(output_size):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4, 5)
+    x[0, 0, 0, :2] = 9.0  # a tie: the first, row-major, is eager's
+    assert_compiled_like_eager(lambda x: F.adaptive_max_pool2d(x, output_size, return_indices=True), x)
+
+
+def test_adaptive_max_pool1d():
+    torch.manual_seed(0)
+    assert_compiled_like_eager(lambda x: F.adaptive_max_pool1d(x, 3, return_indices=True), torch.randn(2, 4, 7))

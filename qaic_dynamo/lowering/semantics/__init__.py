@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from qaic_dynamo.lowering.semantics.adaptive_pooling import adaptive_avg_pool3d, adaptive_max_pool2d
 from qaic_dynamo.lowering.semantics.attention import masked_attention, open_sdpa
 from qaic_dynamo.lowering.semantics.bessel import BESSEL
 from qaic_dynamo.lowering.semantics.complex_values import conj_physical, pad_complex
@@ -32,7 +33,7 @@ from qaic_dynamo.lowering.semantics.indexing import (
 )
 from qaic_dynamo.lowering.semantics.linear_algebra import addmm_maybe_empty_inner
 from qaic_dynamo.lowering.semantics.lu import det, inv_ex, lu_factor_ex, lu_solve, lu_unpack, plu, slogdet, solve_ex
-from qaic_dynamo.lowering.semantics.misc_ops import adaptive_avg_pool3d, frexp, nonzero_static
+from qaic_dynamo.lowering.semantics.misc_ops import frexp, nonzero_static
 from qaic_dynamo.lowering.semantics.normalization import (
     batch_norm_no_training,
     batch_norm_training,
@@ -166,6 +167,7 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
     _aten.frexp.Tensor: frexp,
     _aten.nonzero_static.default: nonzero_static,
     _aten._adaptive_avg_pool3d.default: adaptive_avg_pool3d,
+    _aten.adaptive_max_pool2d.default: adaptive_max_pool2d,
     _aten.put.default: put,
     _aten.scatter.reduce: scatter_with_reduce,
     _aten.scatter.value_reduce: scatter_with_reduce,

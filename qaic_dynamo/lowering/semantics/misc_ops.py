@@ -1,8 +1,7 @@
 """Ops with no ONNX function whose result is fixed by static sizes and plain arithmetic:
-``frexp`` (exponent from ``log2``, corrected by one either way, so it is exact),
+``frexp`` (exponent from ``log2``, corrected by one either way, so it is exact) and
 ``nonzero_static`` (each nonzero element's coordinates scattered to its rank among the
-nonzero ones) and ``adaptive_avg_pool3d`` (the mean over each static window, one
-dimension at a time)."""
+nonzero ones)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["adaptive_avg_pool3d", "frexp", "nonzero_static"]
+__all__ = ["frexp", "nonzero_static"]
 
 
 def frexp(x: Any) -> Any:
@@ -50,23 +49,3 @@ def nonzero_static(x: Any, *, size: int, fill_value: int = -1) -> Any:
     out = torch.full((size + 1, rank), fill_value, dtype=torch.int64)
     out = out.index_put((target,), coords)
     return out[:size]
-
-
-def _adaptive_mean(x: torch.Tensor, dim: int, out_size: int) -> torch.Tensor:
-    n = x.shape[dim]
-    parts = []
-    for i in range(out_size):
-        start, end = (i * n) // out_size, -((-(i + 1) * n) // out_size)
-        parts.append(x.narrow(dim, start, end - start).mean(dim, keepdim=True))
-    return torch.cat(parts, dim)
-
-
-def adaptive_avg_pool3d(x: Any, output_size: Any) -> Any:
-    if x.dtype not in (torch.float32, torch.float64) or not all(isinstance(s, int) for s in output_size):
-        return NotImplemented
-    if x.numel() == 0:
-        return x.new_zeros((*x.shape[:-3], *output_size))
-    out = x
-    for k, size in enumerate(output_size):
-        out = _adaptive_mean(out, x.dim() - 3 + k, size)
-    return out
