@@ -521,3 +521,19 @@ def test_adaptive_max_pool2d_with_indices(output_size):
 def test_adaptive_max_pool1d():
     torch.manual_seed(0)
     assert_compiled_like_eager(lambda x: F.adaptive_max_pool1d(x, 3, return_indices=True), torch.randn(2, 4, 7))
+
+
+def test_hurwitz_zeta_like_eager():
+    x = torch.tensor(
+        [0.5, 1.0, 1.5, 2.0, 3.0, 2.5, 4.0, 10.0, float("nan"), float("inf"), float("inf"), float("inf"), 7.0]
+    )
+    q = torch.tensor([1.0, 2.0, 0.5, 1.0, -2.5, -2.5, 3.0, 0.01, 1.0, 1.0, 0.5, 2.0, 100.0])
+    x, q = torch.cat([x, torch.tensor([2.0, 3.0, 2.5, 5.0])]), torch.cat([q, torch.tensor([-3.0, 0.0, 1e10, -23.5])])
+    for dtype in (torch.float32, torch.float64):
+        want = torch.special.zeta(x.to(dtype), q.to(dtype))
+        with compilation_counter.expect(num_eager_fallbacks=0, num_eager_unless_calls=0):
+            torch._dynamo.reset()
+            got = torch.compile(torch.special.zeta, backend="qaic", options={"fallback": "error"})(
+                x.to(dtype), q.to(dtype)
+            )
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0, equal_nan=True)

@@ -22,7 +22,7 @@ from qaic_dynamo.lowering.semantics.distances import cdist, hypot, pdist
 from qaic_dynamo.lowering.semantics.division import div_mode, floor_divide, integer_rest, remainder
 from qaic_dynamo.lowering.semantics.elementwise import atan2, expm1, integer_pow, log1p, nan_ignoring
 from qaic_dynamo.lowering.semantics.empty import cat_of_empties, im2col_of_empty, pixel_unshuffle_of_empty
-from qaic_dynamo.lowering.semantics.gamma import digamma, lgamma, polygamma
+from qaic_dynamo.lowering.semantics.gamma import digamma, lgamma, polygamma, zeta
 from qaic_dynamo.lowering.semantics.householder import geqrf, householder_product, ormqr, qr
 from qaic_dynamo.lowering.semantics.indexing import (
     arange,
@@ -195,6 +195,8 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
     _aten.digamma.default: digamma,
     torch.ops.prims.digamma.default: digamma,
     _aten.polygamma.default: polygamma,
+    torch.ops.prims.zeta.default: zeta,
+    _aten.special_zeta.default: zeta,
     _aten._conj_physical.default: conj_physical,
     _aten.conj_physical.default: conj_physical,
     _aten.constant_pad_nd.default: pad_complex,

@@ -26,7 +26,7 @@ import torch
 
 from qaic_dynamo.lowering.semantics.common import eager_unless
 
-__all__ = ["ZETA_NEGATIVE_LIMIT", "digamma", "lgamma", "polygamma"]
+__all__ = ["ZETA_NEGATIVE_LIMIT", "digamma", "lgamma", "polygamma", "zeta"]
 
 #: Lanczos' coefficients for g = 7, n = 9.
 _LANCZOS = (
@@ -137,8 +137,9 @@ def _trigamma(x: torch.Tensor) -> torch.Tensor:
     return torch.where(low, -result, result)
 
 
-def _zeta(s: int, q: torch.Tensor) -> torch.Tensor:
-    """Eager's Hurwitz ``zeta(s, q)`` for an integer ``s >= 2``, in double (``q`` double)."""
+def _zeta(s: Any, q: torch.Tensor) -> torch.Tensor:
+    """Eager's Hurwitz ``zeta(s, q)`` for ``s > 1`` (an int, or a double tensor), in double
+    (``q`` double); the special values of ``s`` and ``q`` are :func:`zeta`'s."""
     # The direct sum runs while i < 9 or q + i <= 9: m terms past the first.
     m = torch.where(q > 0, 9.0, torch.clamp(torch.floor(9 - q) + 1, min=9.0))
     total = torch.pow(q, -s)
@@ -174,3 +175,28 @@ def polygamma(n: int, x: Any) -> Any:
     eager_unless(torch.isnan(q) | (q > -ZETA_NEGATIVE_LIMIT), f"polygamma of x below -{ZETA_NEGATIVE_LIMIT}")
     sign = 1.0 if n % 2 else -1.0
     return (sign * math.factorial(n) * _zeta(n + 1, q)).to(x.dtype)
+
+
+def zeta(x: Any, q: Any) -> Any:
+    """``special.zeta(x, q)``: eager's Hurwitz zeta, in double - inf at ``x == 1`` and at
+    ``q`` a non-positive integer, NaN for ``x < 1`` and for a non-integer ``x`` with
+    ``q <= 0``. The direct sum is written out for ``q > -``:data:`ZETA_NEGATIVE_LIMIT`;
+    a call with a smaller ``q`` runs eagerly."""
+    if not (isinstance(x, torch.Tensor) and isinstance(q, torch.Tensor)):
+        return NotImplemented
+    dtype = torch.result_type(x, q)
+    if dtype not in (torch.float32, torch.float64):
+        return NotImplemented
+    s, b = torch.broadcast_tensors(x.double(), q.double())
+    eager_unless(torch.isnan(b) | (b > -ZETA_NEGATIVE_LIMIT), f"zeta of q below -{ZETA_NEGATIVE_LIMIT}")
+    value = _zeta(torch.where(s > 1, s, 2.0), b)
+    q_nonpositive = b <= 0
+    value = torch.where(q_nonpositive & (s != torch.floor(s)), float("nan"), value)
+    value = torch.where(q_nonpositive & (b == torch.floor(b)), float("inf"), value)
+    value = torch.where(s < 1, float("nan"), value)
+    value = torch.where(s == 1, float("inf"), value)
+    # x = inf: eager's sum stops at its first term q**-inf where that is 1 or inf
+    value = torch.where(torch.isinf(s) & (b == 1), 1.0, value)
+    value = torch.where(torch.isinf(s) & (b > 0) & (b < 1), float("inf"), value)
+    value = torch.where(torch.isnan(s) | torch.isnan(b), float("nan"), value)
+    return value.to(dtype)
