@@ -142,3 +142,51 @@ def test_qr_of_a_rank_deficient_matrix():
     a = torch.zeros(4, 3)
     a[:, 1] = 1.0  # two zero columns: reflectors with tau 0
     compiled_like_eager(lambda a: (torch.linalg.qr(a), torch.geqrf(a)), a)
+
+
+SPECTRA = {
+    "eigvalsh": lambda a: torch.linalg.eigvalsh(a @ a.mT),
+    "eigvalsh_upper": lambda a: torch.linalg.eigvalsh(a + a.mT, UPLO="U"),
+    "svdvals": lambda a: torch.linalg.svdvals(a),
+    "matrix_rank": lambda a: torch.linalg.matrix_rank(a),
+    "cond": lambda a: torch.linalg.cond(a),
+    "nuclear_norm": lambda a: torch.linalg.matrix_norm(a, "nuc"),
+    "spectral_norm": lambda a: torch.linalg.matrix_norm(a, 2),
+    "pinv": lambda a: torch.linalg.pinv(a),
+    "pinv_rtol": lambda a: torch.linalg.pinv(a, rtol=0.3),
+    "pinv_atol": lambda a: torch.linalg.pinv(a, atol=0.5),
+    "pinv_hermitian": lambda a: torch.linalg.pinv(a @ a.mT, hermitian=True),
+}
+
+
+_SLOW = pytest.mark.slow  # Jacobi's rotations take seconds to lower: the full matrix of cases is slow
+
+
+@pytest.mark.parametrize("fn", SPECTRA.values(), ids=SPECTRA.keys())
+@pytest.mark.parametrize(
+    "shape",
+    [(4, 4), pytest.param((3, 6, 4), marks=_SLOW), pytest.param((2, 4, 6), marks=_SLOW)],
+    ids=["square", "tall", "wide"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.float64, marks=_SLOW)])
+def test_eigenvalues_singular_values_and_pseudo_inverse(fn, shape, dtype):
+    torch.manual_seed(0)
+    a = torch.randn(*shape, dtype=dtype)
+    if fn in (SPECTRA["eigvalsh_upper"],) and shape[-1] != shape[-2]:
+        a = a[..., : min(shape[-2:]), : min(shape[-2:])]
+    if fn is SPECTRA["cond"] and shape[-1] != shape[-2]:
+        a = a[..., : min(shape[-2:]), : min(shape[-2:])]
+    compiled_like_eager(fn, a)
+
+
+def test_pinv_and_rank_of_a_singular_matrix():
+    a = torch.tensor([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [1.0, 0.0, 1.0]])  # rank 2
+    compiled_like_eager(lambda a: (torch.linalg.pinv(a), torch.linalg.matrix_rank(a)), a)
+
+
+def test_vectors_whose_signs_are_lapacks_still_run_eagerly():
+    a = torch.randn(4, 4)
+    with pytest.warns(RuntimeWarning, match="_linalg_eigh"):
+        got = torch.compile(lambda a: torch.linalg.eigh(a @ a.mT), backend="qaic")(a)
+    want = torch.linalg.eigh(a @ a.mT)
+    assert torch.equal(got.eigenvalues, want.eigenvalues) and torch.equal(got.eigenvectors, want.eigenvectors)

@@ -75,6 +75,40 @@ def fake_inputs(
     return fakes
 
 
+#: op -> (position of its "compute the vectors" flag, its name, the outputs that are vectors)
+_VECTOR_FLAGS = {
+    torch.ops.aten._linalg_svd.default: (2, "compute_uv", (0, 2)),
+    torch.ops.aten._linalg_eigh.default: (2, "compute_v", (1,)),
+}
+
+
+def values_only(gm: fx.GraphModule) -> bool:
+    """Turn off the vectors of every SVD / symmetric eigendecomposition whose vectors
+    nothing reads. ``svdvals``, ``eigvalsh``, ``matrix_rank``, ``cond`` ask for the
+    vectors under fake tensors (``_may_require_fw_or_bw_grad`` is true for a tensor
+    subclass), though eager does not compute them; the values alone are unique and
+    have a translation (``semantics.spectra``), the vectors' signs do not. Returns
+    whether any node changed."""
+    changed = False
+    for node in gm.graph.nodes:
+        spec = _VECTOR_FLAGS.get(node.target) if node.op == "call_function" else None
+        if spec is None:
+            continue
+        position, name, vector_outputs = spec
+        used = {u.args[1] for u in node.users if u.target is operator.getitem and u.users}
+        flag = node.kwargs.get(name, node.args[position] if len(node.args) > position else True)
+        if flag and not used & set(vector_outputs):
+            schema = node.target._schema.arguments
+            args = list(node.args) + [schema[i].default_value for i in range(len(node.args), position + 1)]
+            args[position] = False
+            node.args = tuple(args[: position + 1]) + tuple(node.args[position + 1 :])
+            node.kwargs = {k: v for k, v in node.kwargs.items() if k != name}
+            changed = True
+    if changed:
+        gm.recompile()
+    return changed
+
+
 def written_back_outputs(gm: fx.GraphModule, returned: frozenset[int]) -> None:
     """Functionalising replays a write into an input as a ``copy_`` at the end of the
     graph; the ONNX cannot write its input, so each such copy goes. For an input the
@@ -128,6 +162,13 @@ def aten_graph(
         python_dispatcher(),
     ):
         gm = make_fx(fn, decomposition_table=decompositions(opset), tracing_mode="fake")(*fakes)
+        if values_only(gm):  # traced again: the decompositions now apply to those nodes
+            traced = gm
+            gm = make_fx(
+                lambda *a: fx.Interpreter(traced).run(*a),
+                decomposition_table=decompositions(opset),
+                tracing_mode="fake",
+            )(*fakes)
         # A few decompositions (rms_norm's) write in place; ONNX has no mutation. The
         # second trace is of an aten graph with no decompositions left, so it is cheap.
         if any(is_mutation(n) for n in gm.graph.nodes):

@@ -77,6 +77,7 @@ from qaic_dynamo.lowering.semantics.scalar_reductions import (
 from qaic_dynamo.lowering.semantics.scattering import diagonal_scatter, put, scatter_with_reduce
 from qaic_dynamo.lowering.semantics.searching import bucketize, cumulative_extreme, searchsorted
 from qaic_dynamo.lowering.semantics.special import erfc, erfcx, signbit
+from qaic_dynamo.lowering.semantics.spectra import eigh, pinv, svd_values
 from qaic_dynamo.lowering.semantics.spectral import fft_in_double
 from qaic_dynamo.lowering.semantics.triangular import (
     cholesky,
@@ -161,6 +162,9 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
     _aten.linalg_householder_product.default: householder_product,
     _aten.ormqr.default: ormqr,
     _aten.linalg_qr.default: qr,
+    _aten._linalg_eigh.default: eigh,
+    _aten._linalg_svd.default: svd_values,
+    _aten.linalg_pinv.atol_rtol_tensor: pinv,
     **POLYNOMIALS,
     **BESSEL,
     torch.ops.prims.frexp.default: frexp,
