@@ -537,3 +537,23 @@ def test_hurwitz_zeta_like_eager():
                 x.to(dtype), q.to(dtype)
             )
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("bins, lo, hi", [(4, 0, 0), (3, 2.5, 2.5), (5, 0.0, 1.0)])
+def test_histc_over_the_datas_own_range(bins, lo, hi):
+    x = torch.tensor([0.5, 1.0, 2.0, 4.0, 4.0, -1.5])
+    assert_compiled_like_eager(lambda x: torch.histc(x, bins, lo, hi), x)
+    assert_compiled_like_eager(lambda x: torch.histc(x, bins, lo, hi), torch.tensor(2.0))
+
+
+def test_histc_of_a_nan_raises_as_eager():
+    fn = torch.compile(lambda x: torch.histc(x, 3), backend="qaic")
+    with pytest.raises(RuntimeError, match="not finite"):
+        fn(torch.tensor([1.0, float("nan")]))
+
+
+def test_unsafe_split_outputs_are_views_of_the_input():
+    x = torch.randn(6, 4)
+    out = torch.compile(lambda x: torch.unsafe_split(x, 2), backend="qaic")(x)
+    for got, want in zip(out, torch.unsafe_split(x, 2)):
+        assert torch.equal(got, want) and got.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()

@@ -114,3 +114,11 @@ def test_inputs_sharing_memory_are_not_written_back():
     with pytest.warns(RuntimeWarning, match="writes in place into piece input"):
         out = torch.compile(f, backend="qaic")(base[:4], base[2:])
     assert torch.equal(base, torch.tensor([1.0, 1, 1, 1, 0, 0])) and torch.equal(out, torch.tensor([2.0, 2, 0, 0]))
+
+
+def test_batch_norm_with_update_writes_its_running_statistics():
+    torch.manual_seed(0)
+    x, rm, rv, w, b = torch.randn(4, 3, 5), torch.randn(3), torch.rand(3) + 0.5, torch.randn(3), torch.randn(3)
+    compiled_writes_like_eager(
+        lambda x, w, b, rm, rv: torch.ops.aten._batch_norm_with_update(x, w, b, rm, rv, 0.3, 1e-3)[:3], x, w, b, rm, rv
+    )

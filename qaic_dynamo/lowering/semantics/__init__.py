@@ -33,10 +33,11 @@ from qaic_dynamo.lowering.semantics.indexing import (
 )
 from qaic_dynamo.lowering.semantics.linear_algebra import addmm_maybe_empty_inner
 from qaic_dynamo.lowering.semantics.lu import det, inv_ex, lu_factor_ex, lu_solve, lu_unpack, plu, slogdet, solve_ex
-from qaic_dynamo.lowering.semantics.misc_ops import frexp, nonzero_static
+from qaic_dynamo.lowering.semantics.misc_ops import frexp, histc_of_data_range, nonzero_static
 from qaic_dynamo.lowering.semantics.normalization import (
     batch_norm_no_training,
     batch_norm_training,
+    batch_norm_with_update,
     layer_norm_in_float32,
 )
 from qaic_dynamo.lowering.semantics.order import median, median_dim, nanmedian, nanmedian_dim, sort_stable
@@ -223,6 +224,8 @@ TORCH_SEMANTICS: dict[Any, Callable[..., Any]] = {
     },
     _aten._native_batch_norm_legit_no_training.default: batch_norm_no_training,
     _aten._native_batch_norm_legit_functional.default: batch_norm_training,
+    _aten._batch_norm_with_update.default: batch_norm_with_update,
+    _aten.histc.default: histc_of_data_range,
     _aten.avg_pool2d.default: avg_pool_with_divisor(_aten.avg_pool2d.default, 2),
     _aten.avg_pool3d.default: avg_pool_with_divisor(_aten.avg_pool3d.default, 3),
     _aten._scaled_dot_product_flash_attention_for_cpu.default: masked_attention,

@@ -1,7 +1,8 @@
 """Ops with no ONNX function whose result is fixed by static sizes and plain arithmetic:
-``frexp`` (exponent from ``log2``, corrected by one either way, so it is exact) and
+``frexp`` (exponent from ``log2``, corrected by one either way, so it is exact),
 ``nonzero_static`` (each nonzero element's coordinates scattered to its rank among the
-nonzero ones)."""
+nonzero ones) and ``histc`` over the data's own range (``min == max``, which the
+translation refuses)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["frexp", "nonzero_static"]
+from qaic_dynamo.lowering.semantics.common import eager_unless
+
+__all__ = ["frexp", "histc_of_data_range", "nonzero_static"]
 
 
 def frexp(x: Any) -> Any:
@@ -49,3 +52,23 @@ def nonzero_static(x: Any, *, size: int, fill_value: int = -1) -> Any:
     out = torch.full((size + 1, rank), fill_value, dtype=torch.int64)
     out = out.index_put((target,), coords)
     return out[:size]
+
+
+def histc_of_data_range(x: Any, bins: int = 100, min: Any = 0, max: Any = 0) -> Any:  # noqa: A002 (torch's names)
+    """``histc`` with ``min == max``: the data's range (widened by 1 each way if it is a
+    point), each element in bin ``(x - lo) * bins / (hi - lo)`` truncated - eager's
+    formula, operation for operation - the top edge in the last bin. A NaN makes the
+    range not finite, where eager raises: that call runs eagerly."""
+    if min != max or x.dtype not in (torch.float32, torch.float64):
+        return NotImplemented
+    if x.numel() == 0:
+        return torch.zeros(bins, dtype=x.dtype)
+    lo, hi = x.min(), x.max()
+    point = lo == hi
+    lo, hi = torch.where(point, lo - 1, lo), torch.where(point, hi + 1, hi)
+    # (ONNX Runtime's ReduceMin / ReduceMax skip a NaN that eager's min / max return)
+    finite = torch.isfinite(lo) & torch.isfinite(hi) & ~torch.isnan(x).any()
+    eager_unless(finite, "histc of a range that is not finite")
+    position = ((x.reshape(-1) - lo) * bins / (hi - lo)).to(torch.int64)
+    position = torch.where(position == bins, bins - 1, position)
+    return (position.unsqueeze(-1) == torch.arange(bins)).sum(0).to(x.dtype)

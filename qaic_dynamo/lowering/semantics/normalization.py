@@ -8,7 +8,7 @@ import torch
 
 _aten = torch.ops.aten
 
-__all__ = ["batch_norm_no_training", "batch_norm_training", "layer_norm_in_float32"]
+__all__ = ["batch_norm_no_training", "batch_norm_training", "batch_norm_with_update", "layer_norm_in_float32"]
 
 
 def layer_norm_in_float32(x: Any, shape: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Any:
@@ -87,3 +87,18 @@ def batch_norm_training(
     new_mean = momentum * save_mean + (1 - momentum) * running_mean
     new_var = momentum * (biased_var.flatten() * (n / (n - 1))) + (1 - momentum) * running_var
     return out.to(x.dtype), save_mean.to(x.dtype), save_rstd.to(x.dtype), new_mean, new_var
+
+
+def batch_norm_with_update(
+    x: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any, momentum: float, eps: float
+) -> Any:
+    """``_batch_norm_with_update``: training batch norm that writes its running statistics
+    in place (the piece writes them back) - torch's own decomposition goes through prims
+    that functionalising refuses. Returns (output, batch mean, batch rstd, an empty
+    reserve), as eager's CPU kernel."""
+    out, mean, rstd, new_mean, new_var = batch_norm_training(
+        x, weight, bias, running_mean, running_var, True, momentum, eps
+    )
+    running_mean.copy_(new_mean)
+    running_var.copy_(new_var)
+    return out, mean, rstd, torch.empty(0, dtype=torch.uint8)
