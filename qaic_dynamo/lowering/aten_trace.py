@@ -33,6 +33,7 @@ from qaic_dynamo.lowering.aten_passes import (
     insert_type_promotion,
     remove_assertions,
 )
+from qaic_dynamo.lowering.common import append_outputs
 from qaic_dynamo.lowering.registry import decompositions, functional_semantics
 from qaic_dynamo.lowering.size_guards import guards_not_implied
 from qaic_dynamo.lowering.writes import is_mutation, returned_written_inputs
@@ -116,8 +117,8 @@ def written_back_outputs(gm: fx.GraphModule, returned: frozenset[int]) -> None:
     the copied value becomes one more output, and ``gm.meta["written_back"]`` lists those
     inputs' indices (the lowering adds their layout outputs, the runner copies them)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    results = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+    returned_values = set(gm.graph.output_node().all_input_nodes)
+    new_values: list[fx.Node] = []
     written_back: list[int] = []
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is torch.ops.aten.copy_.default and node.args[0] in placeholders:
@@ -125,14 +126,14 @@ def written_back_outputs(gm: fx.GraphModule, returned: frozenset[int]) -> None:
             if node.users or index in written_back:
                 raise LoweringError(f"{node.name} writes piece input {node.args[0].name} in place; runs eagerly")
             if index not in returned:
-                results.append(node.args[1])
+                new_values.append(node.args[1])
                 written_back.append(index)
-            elif node.args[1] not in results:
+            elif node.args[1] not in returned_values:
                 raise LoweringError(
                     f"{node.name}: the written-back value of input {index} is not returned; runs eagerly"
                 )
             gm.graph.erase_node(node)
-    output.args = (tuple(results),)
+    append_outputs(gm, new_values)
     gm.meta["written_back"] = written_back
     gm.recompile()
 

@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 
 from qaic_dynamo.errors import LoweringError
+from qaic_dynamo.lowering.common import append_outputs
 from qaic_dynamo.lowering.semantics.common import EAGER_UNLESS
 from qaic_dynamo.runtime import dtype_name
 
@@ -50,38 +51,20 @@ def checks_to_outputs(gm: fx.GraphModule, first: int, updates_caches: bool = Fal
             f"its translation is exact only on part of the domain ({why} runs eagerly), and a piece that "
             "updates a KV cache cannot run a call again eagerly; it runs eagerly"
         )
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    results = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
-    specs = []
+    specs, tested = [], []
     for node in checks:
         if _eager_unless(node):
-            ok = node.args[0]
-            specs.append(
-                {
-                    "name": f"out{first + len(specs)}",
-                    "dtype": "bool",
-                    "shape": [],
-                    "target": ["eager_unless", str(node.args[1])[len(EAGER_UNLESS) :]],
-                }
-            )
-            results.append(ok)
-            gm.graph.erase_node(node)
-            continue
-        info, api_name = node.args[0], node.args[1]
-        is_matrix = bool(node.kwargs.get("is_matrix", node.args[2] if len(node.args) > 2 else True))
-        val = info.meta.get("val")
-        if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in val.shape):
-            raise LoweringError(f"{api_name}: its error check has a dynamic shape; the piece runs eagerly")
-        specs.append(
-            {
-                "name": f"out{first + len(specs)}",
-                "dtype": dtype_name(val.dtype),
-                "shape": list(val.shape),
-                "target": ["check", str(api_name), is_matrix],
-            }
-        )
-        results.append(info)
+            tested.append(node.args[0])
+            dtype, shape, target = "bool", [], ["eager_unless", str(node.args[1])[len(EAGER_UNLESS) :]]
+        else:
+            info, api_name = node.args[0], node.args[1]
+            is_matrix = bool(node.kwargs.get("is_matrix", node.args[2] if len(node.args) > 2 else True))
+            val = info.meta.get("val")
+            if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in val.shape):
+                raise LoweringError(f"{api_name}: its error check has a dynamic shape; the piece runs eagerly")
+            tested.append(info)
+            dtype, shape, target = dtype_name(val.dtype), list(val.shape), ["check", str(api_name), is_matrix]
+        specs.append({"name": f"out{first + len(specs)}", "dtype": dtype, "shape": shape, "target": target})
         gm.graph.erase_node(node)
-    output.args = (tuple(results),)
-    gm.recompile()
+    append_outputs(gm, tested)
     return specs

@@ -6,8 +6,9 @@ import re
 from typing import Any
 
 import torch
+import torch.fx as fx
 
-__all__ = ["MAX_IR_VERSION", "failing_op", "first_line", "is_symbolic", "size_hint"]
+__all__ = ["MAX_IR_VERSION", "append_outputs", "failing_op", "first_line", "is_symbolic", "size_hint"]
 
 #: onnxruntime 1.31 reads IR version <= 13; the exporter's default is within that, but a
 #: newer onnx could raise it, so it is capped.
@@ -37,3 +38,14 @@ def first_line(e: BaseException) -> str:
         e = e.__cause__
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def append_outputs(gm: fx.GraphModule, values: list[fx.Node]) -> None:
+    """Append ``values`` to the graph's output tuple (the lowering's extra outputs:
+    written-back inputs, error checks, domain tests)."""
+    if not values:
+        return
+    output = gm.graph.output_node()
+    results = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+    output.args = (tuple(results + values),)
+    gm.recompile()

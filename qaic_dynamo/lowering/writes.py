@@ -217,7 +217,7 @@ def returned_written_inputs(gm: fx.GraphModule) -> frozenset[int]:
     output). Any other input written is written back from the functional graph's
     trailing copy (``aten_trace.written_back_outputs``)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    output = gm.graph.output_node()
     # Returned as itself: the output is the placeholder, or an in-place op's result (which
     # make_fx records in its place) - either way the input's own memory.
     returned = {

@@ -42,10 +42,10 @@ ONNX_ELEMENT_TYPES: dict[torch.dtype, int] = {
 #: one with a trailing dimension of 2 (real, imaginary), which is ``torch.view_as_real``'s
 #: layout of the same memory: a complex input or output is bound as that view, no copy.
 #: (complex32 has no ONNX Runtime kernels to run.)
-REAL_PAIRS: dict[torch.dtype, torch.dtype] = {torch.complex64: torch.float32, torch.complex128: torch.float64}
+REAL_PAIRS = frozenset({torch.complex64, torch.complex128})
 
 #: Every dtype an artifact's input or output may have.
-BINDABLE = frozenset(ONNX_ELEMENT_TYPES) | frozenset(REAL_PAIRS)
+BINDABLE = frozenset(ONNX_ELEMENT_TYPES) | REAL_PAIRS
 
 #: The dtype of a size carrier: the ONNX input a ``["size", i]`` source binds, a tensor
 #: whose length is the piece's int argument i (its values are never read).

@@ -127,6 +127,7 @@ class PieceRunner(torch.nn.Module):
         self._eager_unless = [i for i, (_, t, _, _) in enumerate(self._outputs) if t[0] == "eager_unless"]
         #: (output index, argument index) of each input written in place (lowering.prepare)
         self._writes = [(i, t[1]) for i, (_, t, _, _) in enumerate(self._outputs) if t[0] == "write"]
+        self._after_run = bool(self._eager_unless or self._checks or self._writes)
         self._symbol_leaves = artifact.symbol_leaves
         spec = pytree.treespec_loads(layout.out_spec)
         self._spec = spec
@@ -362,15 +363,15 @@ class PieceRunner(torch.nn.Module):
             if defer:
                 raise EagerInstead(error) from e
             return self._eager_instead(args, error)
-        for i in self._eager_unless:
-            if not outs[i].item():  # outside the domain the translation is exact on
-                compilation_counter.bump(num_eager_unless_calls=1)
-                if defer:
-                    raise EagerInstead(None)
-                return self.eager(*args)
-        for i, api_name, is_matrix in self._checks:  # eager's error, if eager raises one
-            _CHECK_ERRORS(outs[i], api_name, is_matrix=is_matrix)
-        if self._writes:
+        if self._after_run:  # only artifacts with such outputs pay for the checks
+            for i in self._eager_unless:
+                if not outs[i].item():  # outside the domain the translation is exact on
+                    compilation_counter.bump(num_eager_unless_calls=1)
+                    if defer:
+                        raise EagerInstead(None)
+                    return self.eager(*args)
+            for i, api_name, is_matrix in self._checks:  # eager's error, if eager raises one
+                _CHECK_ERRORS(outs[i], api_name, is_matrix=is_matrix)
             with torch.no_grad():  # an input written back never requires grad (see prepare)
                 for i, arg in self._writes:
                     args[arg].copy_(outs[i])
