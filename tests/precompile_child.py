@@ -8,7 +8,9 @@ given cache, run it, print one JSON line.
 it. PATCH, applied before compiling: ``rotary`` (transformers' ``apply_rotary_pos_emb``
 replaced), ``attention`` (another function registered under ``"qaic"``), or
 ``rotary-later`` (the same replacement after a first compiled forward, in this process).
-``user:DIR``: the model of ``DIR/userblocks.py`` (the test edits that file).
+``user:DIR``: the model of ``DIR/userblocks.py`` (the test edits that file); with PATCH
+``edit-after-import`` the file's ``torch.relu`` becomes ``torch.sigmoid`` on disk after it
+was imported and before the model is compiled, so the code traced is not the file's.
 
 Prints the compilation counter deltas, a sha256 of the outputs (identical outputs give
 identical hashes) and the largest difference from eager run with the same patches.
@@ -103,6 +105,12 @@ def llama() -> dict:
 def user(directory: str) -> dict:
     sys.path.insert(0, directory)
     import userblocks
+
+    if patch == "edit-after-import":
+        from pathlib import Path
+
+        path = Path(userblocks.__file__)
+        path.write_text(path.read_text().replace("torch.relu", "torch.sigmoid"))
 
     torch.manual_seed(0)
     model = userblocks.Net(3).eval()

@@ -154,6 +154,22 @@ def test_a_change_to_a_traced_source_file_retraces(tmp_path, edit):
     assert edited["max_diff"] < 1e-5
 
 
+def test_a_file_edited_after_import_is_not_saved_under_its_new_digest(tmp_path):
+    # The first process traces the code it imported (relu), while the file on disk already
+    # says sigmoid: a trace saved beside the new file's digest would run relu in the next
+    # process, which imports sigmoid. It must not be saved; the next process traces.
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "userblocks.py").write_text(USER_MODEL)
+    cache = tmp_path / "cache"
+    first = child(cache, f"user:{src}", "edit-after-import")
+    assert first["max_diff"] < 1e-5  # this process runs what it imported, as eager does
+    assert first["counts"]["num_precompiled_saves"] == 1  # the head; not the edited block
+    second = child(cache, f"user:{src}")
+    assert second["counts"]["num_precompiled_traces"] == 1
+    assert second["max_diff"] < 1e-5
+
+
 # --- in this process --------------------------------------------------------------------------
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import sys
+import threading
 import types
 import warnings
 from collections.abc import Callable
@@ -343,21 +343,54 @@ def dynamo_internals() -> DynamoInternals | None:
 class AotFrame:
     """A frame traced by Dynamo's ``aot_compile``: ``fn`` (the transformed bytecode as a
     function, the backend's output installed in its globals), ``guard_manager`` (the guards
-    Dynamo kept; ``check(f_locals)``) and :meth:`serialize`.
+    Dynamo kept; ``check(f_locals)``), ``traced_codes`` (every code object the trace read)
+    and :meth:`serialize`.
 
     Wraps ``torch._dynamo.aot_compile.AOTCompiledFunction``; its ``__call__`` is not used
     (it binds the signature with ``inspect`` and raises on a guard failure)."""
 
-    def __init__(self, compiled: Any) -> None:
+    def __init__(self, compiled: Any, traced_codes: list[types.CodeType] | None = None) -> None:
         self._compiled = compiled
         self.fn = compiled.fn
         self.guard_manager = compiled._artifacts.guard_manager
+        self.traced_codes = traced_codes or []
+        self._sources_pending = traced_codes is not None
 
     def serialize(self, closure: dict[str, Any]) -> bytes:
         """The saved frame; ``closure`` maps ``cell<i>`` to the contents of the traced
         function's closure cells, which are saved by reference (modules, wrapped
         functions) and passed again to :func:`load_aot_frame`."""
+        if self._sources_pending:  # the inlined sources aot_compile_frame left for now
+            info = self._compiled.source_info()
+            for code in self.traced_codes:
+                _original_add_code(info, code)
+            self._sources_pending = False
         return type(self._compiled).serialize(self._compiled, closure).serialized_data
+
+
+# Dynamo records each traced code's module source (``SourceInfo.add_code``: locate the
+# module, read and hash its file) inside ``aot_compile``, on the first call's critical
+# path, though only a save reads it. While ``aot_compile_frame`` traces, this thread's
+# calls only collect the code objects; :meth:`AotFrame.serialize` adds them later.
+_deferring = threading.local()
+_original_add_code: Callable[[Any, types.CodeType], None] = lambda info, code: None  # noqa: E731
+
+
+@functools.cache
+def _defer_source_info() -> None:
+    global _original_add_code
+    from torch._dynamo.package import SourceInfo
+
+    _original_add_code = SourceInfo.add_code
+
+    def add_code(self: Any, code: types.CodeType) -> None:
+        codes = getattr(_deferring, "codes", None)
+        if codes is None:
+            _original_add_code(self, code)
+        else:
+            codes.append(code)
+
+    SourceInfo.add_code = add_code
 
 
 def dropped_guard_types() -> tuple[str, ...]:
@@ -369,11 +402,12 @@ def dropped_guard_types() -> tuple[str, ...]:
 
 def aot_compile_frame(
     func: Callable[..., Any], example: tuple[tuple, dict[str, Any]], backend: Callable[..., Any]
-) -> tuple[AotFrame, list[Any], list[str]]:
+) -> tuple[AotFrame, list[Any]]:
     """Trace ``func`` on ``example`` (args, kwargs) whole with ``aot_compile``.
 
-    Returns the frame, the guard entries Dynamo dropped (each with ``name``, its source
-    expression, and ``value``) and the source files the trace read. ``backend``'s output
+    Returns the frame (its ``traced_codes`` are the code objects the trace read) and the
+    guard entries Dynamo dropped (each with ``name``, its source expression, and
+    ``value``). ``backend``'s output
     must follow Dynamo's ``SerializableCallable`` protocol; its class is registered as one
     here. Raises what Dynamo raises (a graph break is ``torch._dynamo.exc.Unsupported``)."""
     from torch._dynamo.aot_compile_types import SerializableCallable
@@ -391,12 +425,16 @@ def aot_compile_frame(
         SerializableCallable.register(type(out))
         return out
 
-    compiled = torch.compile(
-        func, fullgraph=True, backend=registering_backend, options={"guard_filter_fn": guard_filter}
-    ).aot_compile(example)
-    files = sorted({s.module for s in compiled.source_info().inlined_sources})
-    paths = [getattr(sys.modules.get(m), "__file__", None) for m in files]
-    return AotFrame(compiled), dropped, [p for p in paths if p]
+    _defer_source_info()
+    codes: list[types.CodeType] = []
+    _deferring.codes = codes
+    try:
+        compiled = torch.compile(
+            func, fullgraph=True, backend=registering_backend, options={"guard_filter_fn": guard_filter}
+        ).aot_compile(example)
+    finally:
+        _deferring.codes = None
+    return AotFrame(compiled, codes), dropped
 
 
 def load_aot_frame(data: bytes, closure: dict[str, Any]) -> AotFrame:

@@ -45,7 +45,7 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +210,53 @@ def file_digest(path: str) -> str | None:
 
 def changed_files(files: dict[str, str]) -> list[str]:
     return [path for path, digest in files.items() if file_digest(path) != digest]
+
+
+def _code_tree(code: types.CodeType) -> Iterator[types.CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_tree(const)
+
+
+def source_digests(codes: list[types.CodeType]) -> dict[str, str]:
+    """sha256 of each source file ``codes`` came from, each file checked to still compile
+    to those very code objects.
+
+    A digest alone would bind a saved trace to the file as it is when it is hashed, not
+    to the code that was traced: a file edited after its module was imported hashes as
+    the new text while the process runs (and traces) the old. The next process would
+    import the new text, find the digest equal and run the old code. So the bytes hashed
+    are compiled too, and every traced code object must be equal (``==`` on code objects
+    compares bytecode, constants, names and line table) to the one at the same qualified
+    name and first line (its ``co_name`` aside); else :class:`PrecompileError`. Code with no readable source file
+    (``<string>``, generated code) has nothing to compare and is left out, as Dynamo's
+    own record of inlined sources leaves it out."""
+    by_file: dict[str, list[types.CodeType]] = {}
+    for code in codes:
+        by_file.setdefault(code.co_filename, []).append(code)
+    digests = {}
+    for path, file_codes in sorted(by_file.items()):
+        try:
+            data = Path(path).read_bytes()
+        except OSError:
+            continue
+        try:
+            compiled = compile(data, path, "exec", dont_inherit=True)
+        except (SyntaxError, ValueError) as e:
+            raise PrecompileError(f"{path} no longer compiles ({e}); it changed since it was imported") from None
+        found: dict[tuple[str, int], list[types.CodeType]] = {}
+        for c in _code_tree(compiled):  # two lambdas on one line share a name and a line
+            found.setdefault((c.co_qualname, c.co_firstlineno), []).append(c)
+        for code in file_codes:
+            # co_name aside: a region entry's code is renamed per region (its qualname is not)
+            candidates = [
+                c.replace(co_name=code.co_name) for c in found.get((code.co_qualname, code.co_firstlineno), [])
+            ]
+            if code not in candidates:
+                raise PrecompileError(f"{path} changed since {code.co_qualname} was imported from it")
+        digests[path] = hashlib.sha256(data).hexdigest()
+    return digests
 
 
 # --- one region's saved trace ---------------------------------------------------------------
@@ -389,7 +436,7 @@ class RegionPrecompile:
         backend = _saving_backend(self.config)
         call_args = ((module, *args) if self.method else args), kwargs
         try:
-            frame, dropped, traced_files = aot_compile_frame(self.func, call_args, backend)
+            frame, dropped = aot_compile_frame(self.func, call_args, backend)
             guards = DroppedGuards.record(dropped, f_locals, self.func.__globals__)
         except Exception as e:  # a graph break, a backend failure: Dynamo's own path handles it
             self.off = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -397,13 +444,12 @@ class RegionPrecompile:
             return
         self.frame, self.guards = frame, guards
         compilation_counter.bump(num_precompiled_traces=1)
-        files = sorted({*traced_files, self.func.__code__.co_filename})
-        _saver.submit(lambda: self._save(frame, guards, files))
+        _saver.submit(lambda: self._save(frame, guards))
 
-    def _save(self, frame: AotFrame, guards: DroppedGuards, files: list[str]) -> None:
+    def _save(self, frame: AotFrame, guards: DroppedGuards) -> None:
         try:
+            digests = source_digests([*frame.traced_codes, self.func.__code__])
             data = frame.serialize(self._closure())
-            digests = {f: d for f in files if (d := file_digest(f)) is not None}
             tmp = self.disk.new_tmp_dir(self.key)
             if tmp is None:
                 return
