@@ -123,9 +123,10 @@ def test_cold_start_report_re_renders_a_saved_run_without_measuring(tmp_path):
 
 @pytest.mark.slow  # ~80 s of fresh processes on 2 cores (CI's 20-minute budget); `make test-all` runs it
 def test_cold_start_benchmark_smoke(tmp_path):
-    out = run_benchmark("cold_start.py", tmp_path, "--smoke", "--methods", "regional", "qaic", "floor")
+    out = run_benchmark("cold_start.py", tmp_path, "--smoke", "--methods", "regional", "qaic", "aot-warm", "floor")
     result = json.loads((tmp_path / "cold_start_smoke.json").read_text())
-    assert result["layers"] == [1, 2] and set(result["median_first_call_s"]) == {"regional", "qaic", "floor"}
+    assert result["layers"] == [1, 2]
+    assert set(result["median_first_call_s"]) == {"regional", "qaic", "aot-warm", "floor"}
     for method, by_layers in result["median_first_call_s"].items():
         assert all(v > 0 for v in by_layers.values()), method
     qaic, regional = result["samples"]["qaic"]["2"][0], result["samples"]["regional"]["2"][0]
@@ -134,7 +135,11 @@ def test_cold_start_benchmark_smoke(tmp_path):
     assert regional["graphs"] == result["samples"]["regional"]["1"][0]["graphs"] == 5
     assert qaic["exporter_fallbacks"] == regional["exporter_fallbacks"] == 0
     assert (tmp_path / "cold_start_smoke.png").stat().st_size > 1000
-    assert "Cold start" in out and "Targets (issue 10)" in out
+    assert "Cold start" in out and "Targets (issues 10 and 39)" in out
+    aot = result["samples"]["aot-warm"]["2"][0]
+    assert aot["precompiled_loads"] == 5 and aot["graphs"] == 0
+    assert 0 < aot["matmul_floor_s"] < aot["eager_run_s"] and aot["compiled_run_s"] > 0
+    assert "aot-warm: the load and the forward" in out
 
 
 @pytest.mark.slow  # ~35 s of fresh processes on 2 cores (CI's 20-minute budget); `make test-all` runs it
