@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,67 @@ def test_prefill_writes_straight_into_the_decode_slot():
         shared.close()
         shared.unlink()
     assert not shm_segments() & set(shared.segment_names)
+
+
+def test_only_the_creator_registers_a_segment_and_the_one_unlink_that_succeeds_unregisters_it(monkeypatch):
+    # Python's resource tracker keeps a set of names. A worker that registered on attach
+    # could land its REGISTER after the server's UNREGISTER, and the tracker then reported
+    # the (gone) segments as leaked at shutdown - the CLI's stop printed that warning now
+    # and then. Attaching must not talk to the tracker; each segment is unregistered once.
+    calls = []
+    monkeypatch.setattr(resource_tracker, "register", lambda name, rtype: calls.append(("REGISTER", name, rtype)))
+    monkeypatch.setattr(resource_tracker, "unregister", lambda name, rtype: calls.append(("UNREGISTER", name, rtype)))
+    owner = SharedKVBuffers({"past_key.0": (2, 3), "past_value.0": (2, 3)}, torch.float32)
+    names = [f"/{n}" for n in owner.segment_names]
+    descriptor = owner.descriptor
+    attached = SharedKVBuffers.attach(descriptor)
+    attached.tensors["past_key.0"][1] = 5.0
+    assert owner.tensors["past_key.0"][1].eq(5.0).all()  # the same memory
+    assert calls == [("REGISTER", n, "shared_memory") for n in names]
+    attached.close()
+    attached.unlink()  # not the owner: unlinks nothing
+    assert shm_segments() >= set(owner.segment_names)
+    SharedKVBuffers.unlink_names(descriptor)  # a worker whose server died
+    owner.unlink()  # the server after it: already gone, nothing more to unregister
+    SharedKVBuffers.unlink_names(descriptor)
+    owner.close()
+    assert calls[len(names) :] == [("UNREGISTER", n, "shared_memory") for n in names]
+    assert not shm_segments() & set(owner.segment_names)
+    with pytest.raises(FileNotFoundError):
+        SharedKVBuffers.attach(descriptor)
+
+
+def test_an_interrupt_while_stopping_still_ends_the_workers_and_frees_the_memory(monkeypatch):
+    # The CLI turns SIGTERM / SIGINT into KeyboardInterrupt. One that landed while stop()
+    # waited for a worker (the requests had just finished) cut stop() short: the segments
+    # were never unlinked, and Python's resource tracker reported them leaked at exit.
+    server = DisaggregatedServer(llama(2), decode_slots=2, ctx_len=CTX, backend="eager")
+    server.start()
+    segments = set(server.buffers.segment_names)
+    workers = [server.prefill_pid, server._decode.pid]
+    waits = []
+
+    def interrupted(join):
+        def interrupted_join(timeout=None):
+            waits.append(timeout)
+            if len(waits) == 1:
+                raise KeyboardInterrupt  # Ctrl-C while stop() waits for a worker
+            return join(timeout)
+
+        return interrupted_join
+
+    for worker in (server._prefill, server._decode):
+        monkeypatch.setattr(worker, "join", interrupted(worker.join))
+    with pytest.raises(KeyboardInterrupt):  # raised once the cleanup is done
+        server.stop()
+    assert not shm_segments() & segments
+    deadline = time.monotonic() + 10
+    while any(
+        Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2] for pid in workers
+    ):
+        assert time.monotonic() < deadline, "a worker outlived stop()"
+        time.sleep(0.05)
+    server.stop()  # idempotent
 
 
 def test_a_prefill_session_is_told_its_slot():

@@ -85,6 +85,9 @@ def test_a_sigkilled_parent_leaves_no_worker_and_no_segment(tmp_path):
     assert time.monotonic() - t0 < 2.5  # the workers notice within 2 s (the sentinel wakes them at once)
     err = proc.stderr.read() + proc.stdout.read()
     assert "is gone; its workers exit and its shared memory is released" in err
+    # (A SIGKILLed server leaves its queues' semaphores to the resource tracker, which says so
+    # and removes them; its shared memory the workers unlinked and unregistered.)
+    assert "leaked shared_memory" not in err
 
 
 @pytest.mark.parametrize(

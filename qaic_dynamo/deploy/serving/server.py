@@ -321,16 +321,37 @@ class DisaggregatedServer:
             return self._events.get(timeout=timeout)
 
     def stop(self) -> None:
-        """End both workers and unlink the shared memory (idempotent)."""
-        for q in ("_jobs", "_control"):
-            if hasattr(self, q):
-                try:
-                    getattr(self, q).put(None)
-                except Exception:
-                    pass
+        """End both workers and unlink the shared memory (idempotent).
+
+        A KeyboardInterrupt (Ctrl-C, or the CLI's SIGTERM) that lands while stopping does
+        not cut the cleanup short - that left the segments to Python's resource tracker,
+        which reports them leaked: the workers still running are killed at once instead
+        of waited for, the memory is unlinked, and the interrupt is raised after."""
+        interrupted: KeyboardInterrupt | None = None
+        patient = True
+        while True:
+            try:
+                self._stop_once(patient)
+                break
+            except KeyboardInterrupt as e:
+                interrupted, patient = e, False
+        if interrupted is not None:
+            raise interrupted
+
+    def _stop_once(self, patient: bool) -> None:
+        """One pass of :meth:`stop`; every step holds if run again. ``patient``: ask the
+        workers to finish and wait for them before killing them."""
+        if patient:
+            for q in ("_jobs", "_control"):
+                if hasattr(self, q):
+                    try:
+                        getattr(self, q).put(None)
+                    except Exception:
+                        pass
         for p in (self._prefill, self._decode):
             if p is not None and p.is_alive():
-                p.join(timeout=5)
+                if patient:
+                    p.join(timeout=5)
                 if p.is_alive():
                     p.kill()
                     p.join(timeout=5)

@@ -1,11 +1,24 @@
-"""Named tensors in POSIX shared memory: the decode KV buffers both workers map."""
+"""Named tensors in POSIX shared memory: the decode KV buffers both workers map.
+
+Python's resource tracker (one per server, shared by the workers it spawns) keeps a *set*
+of segment names: a REGISTER of a name already there does nothing and one UNREGISTER
+removes it, and any name left at its shutdown is reported as leaked. Before Python 3.13,
+``SharedMemory(name, create=False)`` registers too, so a worker attaching while the server
+unlinks could land its REGISTER after the server's UNREGISTER, and the tracker then
+reported the server's segments as leaked though they were gone. So only the creator
+registers (``SharedMemory(create=True)``); other processes map the segment's file under
+``/dev/shm`` directly, and whichever process's unlink succeeds - exactly one - sends the
+one UNREGISTER.
+"""
 
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import secrets
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,6 +26,29 @@ import torch
 __all__ = ["SHM_PREFIX", "SharedKVBuffers"]
 
 SHM_PREFIX = "qaic_kv_"
+#: Where Linux keeps POSIX shared-memory objects, as files.
+SHM_DIR = Path("/dev/shm")
+
+
+class _Attached:
+    """A segment another process created, mapped from its file under ``/dev/shm`` without
+    telling the resource tracker (see the module docstring)."""
+
+    def __init__(self, name: str, nbytes: int) -> None:
+        if not SHM_DIR.is_dir():
+            raise OSError(
+                f"attaching shared memory needs Linux's {SHM_DIR} (not found): run the disaggregated server on Linux"
+            )
+        self.name = name
+        with open(SHM_DIR / name, "r+b") as f:  # FileNotFoundError: the creator has unlinked it
+            self._mmap = mmap.mmap(f.fileno(), nbytes)
+        self.buf: memoryview | None = memoryview(self._mmap)
+
+    def close(self) -> None:
+        if self.buf is not None:
+            self.buf.release()  # BufferError while a tensor still views it
+            self.buf = None
+        self._mmap.close()
 
 
 class SharedKVBuffers:
@@ -21,7 +57,7 @@ class SharedKVBuffers:
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, *, _attach: dict | None = None) -> None:
         self.dtype = dtype
-        self._segments: dict[str, shared_memory.SharedMemory] = {}
+        self._segments: dict[str, shared_memory.SharedMemory | _Attached] = {}
         self.tensors: dict[str, torch.Tensor] = {}
         self.owner = _attach is None
         tag = secrets.token_hex(4)
@@ -33,9 +69,7 @@ class SharedKVBuffers:
                         create=True, size=nbytes, name=f"{SHM_PREFIX}{os.getpid()}_{tag}_{k}"
                     )
                 else:
-                    # Workers are spawned by the server and share its resource tracker,
-                    # so attaching adds nothing the server's unlink does not remove.
-                    seg = shared_memory.SharedMemory(name=_attach[name], create=False)
+                    seg = _Attached(_attach[name], nbytes)
                 self._segments[name] = seg
                 t = torch.frombuffer(seg.buf, dtype=dtype, count=math.prod(shape)).view(shape)
                 if _attach is None:
@@ -74,21 +108,21 @@ class SharedKVBuffers:
 
     @staticmethod
     def unlink_names(descriptor: dict[str, Any]) -> None:
-        """Unlink the segments of ``descriptor`` (a worker whose server died does it)."""
+        """Unlink the segments of ``descriptor`` (a worker whose server died does it); each
+        one this call unlinks is unregistered from the tracker, one already gone is not."""
         for name in descriptor["segments"].values():
-            try:
-                seg = shared_memory.SharedMemory(name=name, create=False)
-            except FileNotFoundError:
-                continue
-            seg.close()
-            try:
-                seg.unlink()
-            except FileNotFoundError:
-                pass
+            _unlink(name)
 
     def unlink(self) -> None:
-        for seg in self._segments.values():
-            try:
-                seg.unlink()
-            except FileNotFoundError:
-                pass
+        if self.owner:
+            for seg in self._segments.values():
+                _unlink(seg.name)
+
+
+def _unlink(name: str) -> None:
+    try:
+        os.unlink(SHM_DIR / name)
+    except FileNotFoundError:  # another process unlinked it, and unregistered it
+        return
+    # The tracker knows a segment by SharedMemory's name for it, with the leading slash.
+    resource_tracker.unregister(f"/{name}", "shared_memory")
