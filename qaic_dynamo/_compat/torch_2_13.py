@@ -407,9 +407,9 @@ def aot_compile_frame(
 
     Returns the frame (its ``traced_codes`` are the code objects the trace read) and the
     guard entries Dynamo dropped (each with ``name``, its source expression, and
-    ``value``). ``backend``'s output
-    must follow Dynamo's ``SerializableCallable`` protocol; its class is registered as one
-    here. Raises what Dynamo raises (a graph break is ``torch._dynamo.exc.Unsupported``)."""
+    ``value``). ``backend``'s output must follow Dynamo's ``SerializableCallable``
+    protocol; its class is registered as one here. Raises what Dynamo raises (a graph
+    break is ``torch._dynamo.exc.Unsupported``)."""
     from torch._dynamo.aot_compile_types import SerializableCallable
 
     unsupported = dropped_guard_types()

@@ -229,9 +229,9 @@ def source_digests(codes: list[types.CodeType]) -> dict[str, str]:
     import the new text, find the digest equal and run the old code. So the bytes hashed
     are compiled too, and every traced code object must be equal (``==`` on code objects
     compares bytecode, constants, names and line table) to the one at the same qualified
-    name and first line (its ``co_name`` aside); else :class:`PrecompileError`. Code with no readable source file
-    (``<string>``, generated code) has nothing to compare and is left out, as Dynamo's
-    own record of inlined sources leaves it out."""
+    name and first line (its ``co_name`` aside); else :class:`PrecompileError`. Code with
+    no readable source file (``<string>``, generated code) has nothing to compare and is
+    left out, as Dynamo's own record of inlined sources leaves it out."""
     by_file: dict[str, list[types.CodeType]] = {}
     for code in codes:
         by_file.setdefault(code.co_filename, []).append(code)

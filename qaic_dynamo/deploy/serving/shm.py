@@ -3,12 +3,13 @@
 Python's resource tracker (one per server, shared by the workers it spawns) keeps a *set*
 of segment names: a REGISTER of a name already there does nothing and one UNREGISTER
 removes it, and any name left at its shutdown is reported as leaked. Before Python 3.13,
-``SharedMemory(name, create=False)`` registers too, so a worker attaching while the server
-unlinks could land its REGISTER after the server's UNREGISTER, and the tracker then
-reported the server's segments as leaked though they were gone. So only the creator
-registers (``SharedMemory(create=True)``); other processes map the segment's file under
-``/dev/shm`` directly, and whichever process's unlink succeeds - exactly one - sends the
-one UNREGISTER.
+``SharedMemory(name, create=False)`` registers too: when a SIGKILLed server's two workers
+both opened a segment to unlink it, the second one's REGISTER could land after the
+first one's UNREGISTER, and its own unlink then failed before unregistering - the tracker
+reported a segment that was gone as leaked. So only the creator registers
+(``SharedMemory(create=True)``); other processes map the segment's file under ``/dev/shm``
+directly, and whichever process's unlink succeeds - exactly one - sends the one
+UNREGISTER.
 """
 
 from __future__ import annotations
