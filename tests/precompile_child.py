@@ -8,6 +8,8 @@ given cache, run it, print one JSON line.
 it. PATCH, applied before compiling: ``rotary`` (transformers' ``apply_rotary_pos_emb``
 replaced), ``attention`` (another function registered under ``"qaic"``), or
 ``rotary-later`` (the same replacement after a first compiled forward, in this process).
+``mla-llm``: the reference MLA model (2 layers) through ``LLM(backend="qaic")``, greedy
+tokens of one prompt (the engine's own inputs reach the embedding region as they are).
 ``user:DIR``: the model of ``DIR/userblocks.py`` (the test edits that file); with PATCH
 ``edit-after-import`` the file's ``torch.relu`` becomes ``torch.sigmoid`` on disk after it
 was imported and before the model is compiled, so the code traced is not the file's.
@@ -102,6 +104,18 @@ def llama() -> dict:
     return {"out": forward(compiled), "eager": eager}
 
 
+def mla_llm() -> dict:
+    from qaic_dynamo.engine import LLM
+    from qaic_dynamo.models import QaicMLAConfig, QaicMLAForCausalLM
+
+    torch.manual_seed(0)
+    model = QaicMLAForCausalLM(QaicMLAConfig(num_hidden_layers=2)).eval()
+    prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    eager = LLM(model, backend="eager", max_model_len=64).generate(prompt, 6)[0]
+    tokens = LLM(model, backend="qaic", compile_options=options, max_model_len=64).generate(prompt, 6)[0]
+    return {"out": torch.tensor(tokens, dtype=torch.float32), "eager": torch.tensor(eager, dtype=torch.float32)}
+
+
 def user(directory: str) -> dict:
     sys.path.insert(0, directory)
     import userblocks
@@ -122,7 +136,12 @@ def user(directory: str) -> dict:
 
 
 before = compilation_counter.snapshot()
-result = llama() if model_name == "llama" else user(model_name.split(":", 1)[1])
+if model_name == "llama":
+    result = llama()
+elif model_name == "mla-llm":
+    result = mla_llm()
+else:
+    result = user(model_name.split(":", 1)[1])
 wait_for_saves()
 after = compilation_counter.snapshot()
 counts = {k: v - before.counts()[k] for k, v in after.counts().items() if v != before.counts()[k]}

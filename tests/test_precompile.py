@@ -170,6 +170,20 @@ def test_a_file_edited_after_import_is_not_saved_under_its_new_digest(tmp_path):
     assert second["max_diff"] < 1e-5
 
 
+def test_an_mla_model_restarts_through_llm_without_any_dynamo_trace(tmp_path):
+    # The engine marked input_ids dynamic, and the MLA model hands input_ids straight to its
+    # embedding region: Dynamo does not save a tensor's marks, so the loaded embedding's
+    # guards (expecting none) failed at every restart and Dynamo traced it again.
+    cache = tmp_path / "cache"
+    cold = child(cache, "mla-llm")
+    assert cold["counts"]["num_precompiled_saves"] == 4  # block, embeddings, norm, head
+    warm = child(cache, "mla-llm")
+    assert warm["counts"]["num_precompiled_loads"] == 4
+    assert warm["counts"].get("num_graphs_seen", 0) == 0
+    assert warm["counts"].get("num_dynamo_region_calls", 0) == 0
+    assert warm["sha256"] == cold["sha256"] and warm["max_diff"] == cold["max_diff"] == 0
+
+
 # --- in this process --------------------------------------------------------------------------
 
 

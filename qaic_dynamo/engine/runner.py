@@ -54,6 +54,7 @@ class ModelRunner:
         # With "from_forward_context" every layer's update advances the context's layer
         # index, so after a forward it must have reached the last layer (checked per step).
         self.counts_kv_writes = counts_kv_writes
+        self.marks_inputs = True  # the token dimension of the step's inputs marked dynamic
         if backend == "eager":
             self.fn = model
         elif backend == "qaic":
@@ -65,6 +66,11 @@ class ModelRunner:
 
             if regional:
                 self.fn = compile_regions(model, **(compile_options or {}))
+                # The regions mark their own inputs when they trace. A mark made here too
+                # would reach a region whose input is input_ids itself (an MLA model's
+                # embedding) and fail its saved trace's guards at every restart: Dynamo
+                # does not save a tensor's marks, so a loaded guard expects none.
+                self.marks_inputs = False
             else:
                 self.fn = specialized_floats()(torch.compile(model, backend="qaic", options=compile_options))
         else:
@@ -124,8 +130,9 @@ class ModelRunner:
                 rows += range(ends[i] - q_lens[i], ends[i])
         logits_indices = torch.tensor(rows + rows[-1:] * max(0, 2 - len(rows)))
         input_ids, pos = torch.tensor(ids), torch.tensor(positions)
-        for t in (input_ids, pos, logits_indices):
-            maybe_mark_dynamic(t, 0)
+        if self.marks_inputs:
+            for t in (input_ids, pos, logits_indices):
+                maybe_mark_dynamic(t, 0)
         md = build_attention_metadata(
             seq_lens, q_lens, [r.block_ids for r in requests], self.block_size, num_tokens=num_tokens
         )
