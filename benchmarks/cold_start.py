@@ -339,7 +339,7 @@ def main() -> None:
         print(json.dumps(child(args.child, args.layers[0], args.hidden_size, args.vocab)))
         return
 
-    from common import markdown_table, save_results
+    from common import markdown_table, plot_by_depth, save_results
 
     layers, repeats, hidden, vocab = args.layers, args.repeats, args.hidden_size, args.vocab
     expensive_layers = set(args.expensive_layers)
@@ -577,37 +577,18 @@ def main() -> None:
         md,
         out_dir,
     )
-    plot(med, layers, path.with_suffix(".png"))
+    plot_by_depth(
+        path.with_suffix(".png"),
+        layers,
+        [(m, by_l, {}) for m, by_l in med.items()],
+        "Cold-start compile time vs depth",
+        "seconds to first output (median)",
+    )
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
 def _or_dash(value: float | None) -> float | str:
     return "-" if value is None else value
-
-
-def plot(med: dict, layers: list[int], png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for m, by_l in med.items():
-        xs = [L for L in layers if by_l.get(L) is not None]
-        if not xs:
-            continue
-        ax.plot(xs, [by_l[L] for L in xs], marker="o", label=m)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(layers, [str(L) for L in layers])
-    ax.set_xlabel("layers")
-    ax.set_ylabel("seconds to first output (median)")
-    ax.set_title("Cold-start compile time vs depth")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -135,3 +135,30 @@ def demo_llama(layers: int, hidden: int, vocab: int, **overrides: Any) -> torch.
         **overrides,
     )
     return hf_model_from_config(hf_config(cfg))
+
+
+def plot_by_depth(
+    png: Path, layers: list[int], curves: list[tuple[str, dict[int, float], dict[str, Any]]], title: str, ylabel: str
+) -> None:
+    """Seconds against model depth on log-log axes, one line per ``(label, {depth:
+    seconds}, matplotlib style)``; a curve without a figure at some depth skips it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, by_depth, style in curves:
+        xs = [L for L in layers if by_depth.get(L) is not None]
+        if xs:
+            ax.plot(xs, [by_depth[L] for L in xs], label=label, **{"marker": "o", **style})
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(layers, [str(L) for L in layers])
+    ax.set_xlabel("layers")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)

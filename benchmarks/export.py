@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import demo_llama, markdown_table, save_results  # noqa: E402
+from common import demo_llama, markdown_table, plot_by_depth, save_results  # noqa: E402
 
 METHODS = ["layerwise", "whole", "direct", "cb", "pair", "separate"]
 
@@ -129,30 +129,6 @@ def run_child(method: str, layers: int, hidden: int, vocab: int, timeout: float)
     if proc.returncode != 0:
         raise RuntimeError(f"{method} at {layers} layers failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def plot(med: dict, layers: list[int], png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for m, by_l in med.items():
-        xs = [L for L in layers if by_l.get(L)]
-        ax.plot(xs, [by_l[L]["export_s"] for L in xs], marker="o", label=f"{m}: export")
-        ax.plot(
-            xs, [by_l[L]["weights_s"] for L in xs], linestyle=":", marker=".", label=f"{m}: hashing + writing weights"
-        )
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("decoder layers")
-    ax.set_ylabel("seconds (median, fresh process)")
-    ax.set_title("QAIC deployment export: layerwise vs whole vs torch.onnx.export")
-    ax.legend(fontsize=8)
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
 
 
 def main() -> None:
@@ -249,7 +225,23 @@ def main() -> None:
         args.results_dir,
     )
     png = Path(path).with_suffix(".png")
-    plot(med, args.layers, png)
+    curves = []
+    for m, by_l in med.items():
+        curves.append((f"{m}: export", {L: v["export_s"] for L, v in by_l.items() if v}, {}))
+        curves.append(
+            (
+                f"{m}: hashing + writing weights",
+                {L: v["weights_s"] for L, v in by_l.items() if v},
+                {"linestyle": ":", "marker": "."},
+            )
+        )
+    plot_by_depth(
+        png,
+        args.layers,
+        curves,
+        "QAIC deployment export: layerwise vs whole vs torch.onnx.export",
+        "seconds (median, fresh process)",
+    )
     print(f"wrote {path} and {png}")
 
 
