@@ -338,3 +338,31 @@ def test_a_saved_trace_that_fails_to_load_for_any_reason_is_traced_again(tmp_pat
             out = second(x)
     wait_for_saves()
     torch.testing.assert_close(out, eager)
+
+
+def test_the_deferred_inlined_source_record_installs_once_and_passes_through_outside_a_trace():
+    # aot_compile_frame collects traced code objects instead of letting Dynamo read and hash
+    # their modules in the first call. Installed from several threads at once, the patch
+    # must not take itself for the original (every later call would recurse), and outside
+    # a trace Dynamo's own record works as before.
+    import threading
+
+    from torch._dynamo.package import SourceInfo
+
+    from qaic_dynamo._compat import torch_2_13
+
+    barrier = threading.Barrier(4)
+
+    def install():
+        barrier.wait()
+        torch_2_13._defer_source_info()
+
+    threads = [threading.Thread(target=install) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert SourceInfo.add_code.qaic_defers and not getattr(torch_2_13._original_add_code, "qaic_defers", False)
+    info = SourceInfo(inlined_sources=set())
+    info.add_code(describe.__code__)
+    assert [s.module for s in info.inlined_sources] == ["qaic_dynamo.compiler.regions.precompile"]

@@ -376,21 +376,29 @@ _deferring = threading.local()
 _original_add_code: Callable[[Any, types.CodeType], None] = lambda info, code: None  # noqa: E731
 
 
-@functools.cache
+_patching = threading.Lock()
+
+
 def _defer_source_info() -> None:
+    """Install the collecting ``add_code`` once (two threads' first traces at once must
+    not take the patch itself for the original)."""
     global _original_add_code
     from torch._dynamo.package import SourceInfo
 
-    _original_add_code = SourceInfo.add_code
+    with _patching:
+        if getattr(SourceInfo.add_code, "qaic_defers", False):
+            return
+        _original_add_code = SourceInfo.add_code
 
-    def add_code(self: Any, code: types.CodeType) -> None:
-        codes = getattr(_deferring, "codes", None)
-        if codes is None:
-            _original_add_code(self, code)
-        else:
-            codes.append(code)
+        def add_code(self: Any, code: types.CodeType) -> None:
+            codes = getattr(_deferring, "codes", None)
+            if codes is None:
+                _original_add_code(self, code)
+            else:
+                codes.append(code)
 
-    SourceInfo.add_code = add_code
+        add_code.qaic_defers = True  # type: ignore[attr-defined]
+        SourceInfo.add_code = add_code
 
 
 def dropped_guard_types() -> tuple[str, ...]:
@@ -427,13 +435,13 @@ def aot_compile_frame(
 
     _defer_source_info()
     codes: list[types.CodeType] = []
-    _deferring.codes = codes
+    outer, _deferring.codes = getattr(_deferring, "codes", None), codes  # a trace inside a backend nests
     try:
         compiled = torch.compile(
             func, fullgraph=True, backend=registering_backend, options={"guard_filter_fn": guard_filter}
         ).aot_compile(example)
     finally:
-        _deferring.codes = None
+        _deferring.codes = outer
     return AotFrame(compiled, codes), dropped
 
 

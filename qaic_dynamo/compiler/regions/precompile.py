@@ -254,7 +254,10 @@ def source_digests(codes: list[types.CodeType]) -> dict[str, str]:
                 c.replace(co_name=code.co_name) for c in found.get((code.co_qualname, code.co_firstlineno), [])
             ]
             if code not in candidates:
-                raise PrecompileError(f"{path} changed since {code.co_qualname} was imported from it")
+                raise PrecompileError(
+                    f"{path} changed since {code.co_qualname} was imported from it (or an import hook rewrote "
+                    "its code, as pytest's assertion rewriting does)"
+                )
         digests[path] = hashlib.sha256(data).hexdigest()
     return digests
 
