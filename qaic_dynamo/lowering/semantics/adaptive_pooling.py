@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from qaic_dynamo.errors import LoweringError
-from qaic_dynamo.lowering.semantics.common import eager_unless
+from qaic_dynamo.lowering.semantics.common import FLOATS, eager_unless
 
 __all__ = ["MAX_POOL_CELLS", "adaptive_avg_pool3d", "adaptive_max_pool2d"]
 
@@ -38,7 +38,7 @@ def _adaptive_mean(x: torch.Tensor, dim: int, out_size: int) -> torch.Tensor:
 
 
 def adaptive_avg_pool3d(x: Any, output_size: Any) -> Any:
-    if x.dtype not in (torch.float32, torch.float64) or not all(isinstance(s, int) for s in output_size):
+    if x.dtype not in FLOATS or not all(isinstance(s, int) for s in output_size):
         return NotImplemented
     if x.numel() == 0:
         return x.new_zeros((*x.shape[:-3], *output_size))
@@ -50,7 +50,7 @@ def adaptive_avg_pool3d(x: Any, output_size: Any) -> Any:
 
 def adaptive_max_pool2d(x: Any, output_size: Any) -> Any:
     """(values, indices into each input plane, row-major)."""
-    if x.dtype not in (torch.float32, torch.float64) or x.numel() == 0:
+    if x.dtype not in FLOATS or x.numel() == 0:
         return NotImplemented
     oh, ow = output_size
     h, w = x.shape[-2:]

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from qaic_dynamo.lowering.semantics.common import is_float_tensor
+
 __all__ = ["BESSEL"]
 
 # Cephes' coefficients, as torch's ATen/native/Math.h lists them: I0 and I1 scaled by
@@ -257,7 +259,7 @@ def _k(x: torch.Tensor, order: int, scaled: bool) -> torch.Tensor:
 
 def _double(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., Any]:
     def run(x: Any) -> Any:
-        if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.float64):
+        if not is_float_tensor(x):
             return NotImplemented
         return fn(x.double()).to(x.dtype)
 

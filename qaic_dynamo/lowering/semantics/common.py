@@ -11,6 +11,7 @@ import torch
 __all__ = [
     "EAGER_UNLESS",
     "FLOATS",
+    "is_float_tensor",
     "REDUCED",
     "eager_unless",
     "integer_result",
@@ -21,6 +22,12 @@ __all__ = [
 
 
 FLOATS = (torch.float32, torch.float64)
+
+
+def is_float_tensor(x: Any) -> bool:
+    """A float32 / float64 tensor: what the decompositions written in double take."""
+    return isinstance(x, torch.Tensor) and x.dtype in FLOATS
+
 
 #: The message prefix of an :func:`eager_unless` node (``lowering.checks`` reads it).
 EAGER_UNLESS = "qaic:eager-unless:"

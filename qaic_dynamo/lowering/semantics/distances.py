@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from qaic_dynamo.errors import LoweringError
+from qaic_dynamo.lowering.semantics.common import FLOATS
 
 __all__ = ["cdist", "hypot", "pdist"]
 
@@ -30,7 +31,7 @@ def hypot(x: Any, y: Any) -> Any:
     """``sqrt(x^2 + y^2)`` without overflow or underflow, as C's ``hypot``: an infinite
     operand gives inf even beside a NaN. float32 in double."""
     dtype = torch.result_type(x, y)
-    if dtype not in (torch.float32, torch.float64):
+    if dtype not in FLOATS:
         return NotImplemented
     a, b = torch.broadcast_tensors(x.double().abs(), y.double().abs())
     big, small = torch.maximum(a, b), torch.minimum(a, b)
@@ -60,7 +61,7 @@ def _direct_only(*sizes: int, name: str) -> None:
 
 
 def cdist(x1: Any, x2: Any, p: float, compute_mode: Any = None) -> Any:
-    if x1.dtype not in (torch.float32, torch.float64) or p < 0:
+    if x1.dtype not in FLOATS or p < 0:
         return NotImplemented  # eager's own error for p < 0
     r1, r2 = x1.shape[-2], x2.shape[-2]
     batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
@@ -72,7 +73,7 @@ def cdist(x1: Any, x2: Any, p: float, compute_mode: Any = None) -> Any:
 
 def pdist(x: Any, p: float = 2.0) -> Any:
     """The distances of rows i < j, in that order."""
-    if x.dtype not in (torch.float32, torch.float64) or p < 0:
+    if x.dtype not in FLOATS or p < 0:
         return NotImplemented
     n, m = x.shape
     _direct_only(n * (n - 1) // 2, m, name="pdist")

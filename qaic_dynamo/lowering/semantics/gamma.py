@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from qaic_dynamo.lowering.semantics.common import eager_unless
+from qaic_dynamo.lowering.semantics.common import FLOATS, eager_unless, is_float_tensor
 
 __all__ = ["ZETA_NEGATIVE_LIMIT", "digamma", "lgamma", "polygamma", "zeta"]
 
@@ -70,12 +70,8 @@ _ZETA_A = (
 ZETA_NEGATIVE_LIMIT = 24
 
 
-def _floats(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and x.dtype in (torch.float32, torch.float64)
-
-
 def lgamma(x: Any) -> Any:
-    if not _floats(x):
+    if not is_float_tensor(x):
         return NotImplemented
     y = x.double()
     reflect = y < 0.5
@@ -98,7 +94,7 @@ def lgamma(x: Any) -> Any:
 
 def digamma(x: Any) -> Any:
     """Eager's ``calc_digamma``, in the input's type."""
-    if not _floats(x):
+    if not is_float_tensor(x):
         return NotImplemented
     negative = x < 0
     # the reflection term, pi / tan(pi r) with r = x's fractional part, in double
@@ -162,7 +158,7 @@ def _zeta(s: Any, q: torch.Tensor) -> torch.Tensor:
 
 
 def polygamma(n: int, x: Any) -> Any:
-    if not _floats(x) or not isinstance(n, int) or n < 0:
+    if not is_float_tensor(x) or not isinstance(n, int) or n < 0:
         return NotImplemented
     if n == 0:
         return digamma(x)
@@ -185,7 +181,7 @@ def zeta(x: Any, q: Any) -> Any:
     if not (isinstance(x, torch.Tensor) and isinstance(q, torch.Tensor)):
         return NotImplemented
     dtype = torch.result_type(x, q)
-    if dtype not in (torch.float32, torch.float64):
+    if dtype not in FLOATS:
         return NotImplemented
     s, b = torch.broadcast_tensors(x.double(), q.double())
     eager_unless(torch.isnan(b) | (b > -ZETA_NEGATIVE_LIMIT), f"zeta of q below -{ZETA_NEGATIVE_LIMIT}")

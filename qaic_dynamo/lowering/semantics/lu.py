@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from qaic_dynamo.errors import LoweringError
+from qaic_dynamo.lowering.semantics.common import FLOATS
 
 __all__ = [
     "MAX_UNROLLED",
@@ -55,7 +56,7 @@ def static_order(*sizes: Any, name: str) -> None:
 
 def require_float(name: str, *xs: Any) -> None:
     for x in xs:
-        if x.dtype not in (torch.float32, torch.float64):
+        if x.dtype not in FLOATS:
             raise LoweringError(f"{name} in {x.dtype}: unrolled for float32 / float64 only; runs eagerly")
 
 

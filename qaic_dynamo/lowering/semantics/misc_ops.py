@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from qaic_dynamo.lowering.semantics.common import eager_unless
+from qaic_dynamo.lowering.semantics.common import FLOATS, eager_unless
 
 __all__ = ["frexp", "histc_of_data_range", "nonzero_static"]
 
@@ -19,7 +19,7 @@ __all__ = ["frexp", "histc_of_data_range", "nonzero_static"]
 def frexp(x: Any) -> Any:
     """(mantissa, exponent) with ``x = mantissa * 2**exponent``, 0.5 <= |mantissa| < 1;
     0, inf and NaN give (x, 0)."""
-    if x.dtype not in (torch.float32, torch.float64):
+    if x.dtype not in FLOATS:
         return NotImplemented
     y = x.double()
     finite = torch.isfinite(y) & (y != 0)
@@ -59,7 +59,7 @@ def histc_of_data_range(x: Any, bins: int = 100, min: Any = 0, max: Any = 0) -> 
     point), each element in bin ``(x - lo) * bins / (hi - lo)`` truncated - eager's
     formula, operation for operation - the top edge in the last bin. A NaN makes the
     range not finite, where eager raises: that call runs eagerly."""
-    if min != max or x.dtype not in (torch.float32, torch.float64):
+    if min != max or x.dtype not in FLOATS:
         return NotImplemented
     if x.numel() == 0:
         return torch.zeros(bins, dtype=x.dtype)

@@ -13,19 +13,15 @@ from typing import Any
 
 import torch
 
-from qaic_dynamo.lowering.semantics.common import eager_unless
+from qaic_dynamo.lowering.semantics.common import FLOATS, eager_unless
 from qaic_dynamo.lowering.semantics.reductions import kthvalue_by_sort
 
 __all__ = ["median", "median_dim", "nanmedian", "nanmedian_dim", "sort_stable"]
 
 
-def _floating(x: Any) -> bool:
-    return x.dtype in (torch.float32, torch.float64)
-
-
 def median(x: Any) -> Any:
     """``median()`` / ``nanmedian()`` of every element."""
-    if not _floating(x) or x.numel() == 0:
+    if x.dtype not in FLOATS or x.numel() == 0:
         return NotImplemented
     flat = x.reshape(-1)
     eager_unless(~torch.isnan(flat), "median with a NaN")
@@ -34,7 +30,7 @@ def median(x: Any) -> Any:
 
 def median_dim(x: Any, dim: int, keepdim: bool = False) -> Any:
     """``median(dim)``: (values, indices)."""
-    if not _floating(x) or x.numel() == 0:
+    if x.dtype not in FLOATS or x.numel() == 0:
         return NotImplemented
     if x.dim() == 0:
         return x.clone(), torch.zeros((), dtype=torch.int64)
@@ -48,7 +44,7 @@ def median_dim(x: Any, dim: int, keepdim: bool = False) -> Any:
 def nanmedian_dim(x: Any, dim: int, keepdim: bool = False) -> Any:
     """``nanmedian(dim)``: the lower median of each slice's non-NaN values, as the
     ``(c - 1) // 2``-th of a sort with NaNs taken for +inf (c non-NaN values)."""
-    if not _floating(x) or x.numel() == 0:
+    if x.dtype not in FLOATS or x.numel() == 0:
         return NotImplemented
     if x.dim() == 0:
         return x.clone(), torch.zeros((), dtype=torch.int64)
@@ -69,7 +65,7 @@ def nanmedian_dim(x: Any, dim: int, keepdim: bool = False) -> Any:
 
 def nanmedian(x: Any) -> Any:
     """``nanmedian()`` of every element."""
-    if not _floating(x) or x.numel() == 0:
+    if x.dtype not in FLOATS or x.numel() == 0:
         return NotImplemented
     return nanmedian_dim(x.reshape(-1), 0)[0]
 
@@ -79,7 +75,7 @@ def sort_stable(x: Any, *, stable: Any = None, dim: int = -1, descending: bool =
     sort is stable)."""
     if not stable:
         return torch.sort(x, dim, descending)
-    if not _floating(x) or x.dim() == 0:
+    if x.dtype not in FLOATS or x.dim() == 0:
         return NotImplemented
     values, indices = torch.sort(x, dim, descending)
     d = dim % x.dim()

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from qaic_dynamo.errors import LoweringError
-from qaic_dynamo.lowering.semantics.common import eager_unless
+from qaic_dynamo.lowering.semantics.common import FLOATS, eager_unless
 
 __all__ = ["MAX_DEGREE", "POLYNOMIALS"]
 
@@ -142,7 +142,7 @@ def _polynomial(name: str, special: tuple[Callable[..., Branches], Callable[...,
         if not isinstance(x, torch.Tensor) and not isinstance(n, torch.Tensor):
             return NotImplemented
         dtype = torch.result_type(x, n)
-        if dtype not in (torch.float32, torch.float64):
+        if dtype not in FLOATS:
             return NotImplemented  # integer or reduced-float results: the op as it is
         like = x if isinstance(x, torch.Tensor) else n
         xt = x.to(dtype) if isinstance(x, torch.Tensor) else torch.full_like(like, x, dtype=dtype)
