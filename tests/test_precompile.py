@@ -233,6 +233,29 @@ def test_precompile_off_traces_with_dynamo(tmp_path):
     torch.testing.assert_close(out, eager)
 
 
+def test_rebinding_an_engines_kv_caches_frees_the_old_ones():
+    """A precompiled region re-checks its dropped guards once per forward context; it
+    remembers the last context weakly, or that context - and the KV caches it holds -
+    would outlive the engine's rebinding of its caches (a serving session's buffers)."""
+    import gc
+    import weakref
+
+    from qaic_dynamo import LLM
+    from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    llm = LLM(QaicLlamaForCausalLM(QaicLlamaConfig(num_hidden_layers=2)), backend="qaic", max_model_len=32)
+    with compilation_counter.expect(num_precompiled_traces=4):  # block, embeddings, norm, head
+        want = llm.generate([[1, 2, 3]], 3)
+    wait_for_saves()  # a pending save holds its region until written
+    old = [weakref.ref(t) for caches in llm.kv_caches.values() for t in caches]
+    llm.kv_caches = {name: tuple(torch.zeros_like(t) for t in caches) for name, caches in llm.kv_caches.items()}
+    gc.collect()
+    assert [r() is None for r in old] == [True] * len(old)
+    assert llm.generate([[1, 2, 3]], 3) == want  # the new caches serve, from scratch
+
+
 def scaled(x):
     return x * 2
 

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from qaic_dynamo.engine.core import EngineCore
+from qaic_dynamo.engine.heap import freeze_startup_heap
 from qaic_dynamo.engine.outputs import GreedyOutput, RequestOutput
 from qaic_dynamo.engine.request import Request, prompt_list
 from qaic_dynamo.engine.runner import ModelRunner
@@ -92,6 +93,11 @@ class LLM:
         seed: seed of the generator shared by requests sampled without a seed of their own.
         max_num_batched_tokens: tokens fed per step at most (prompts are prefilled in
             chunks within it); default the larger of ``max_model_len`` and 512.
+        freeze_gc_heap: freeze the process's start-up heap out of Python's cyclic garbage
+            collector (once per process, as vLLM does after start-up): the full
+            collections that compiling and serving trigger then skip the hundreds of
+            thousands of objects imports made (:mod:`.heap`). Objects alive at that point
+            are never collected as cyclic garbage; ``False`` leaves the collector alone.
 
     Raises NotImplementedError, before anything is traced, for a model the qaic ops do not
     implement (e.g. chunked attention, transformers' latent attention, attention that
@@ -114,6 +120,7 @@ class LLM:
         tokenizer: Any = None,
         seed: int = 0,
         max_num_batched_tokens: int | None = None,
+        freeze_gc_heap: bool = True,
     ) -> None:
         from qaic_dynamo.models import batch_dependent_rope, load_model, max_positions, max_positions_text
 
@@ -130,6 +137,8 @@ class LLM:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"LLM: {name} must be a positive int, got {value!r}")
+        if not isinstance(freeze_gc_heap, bool):
+            raise ValueError(f"LLM: freeze_gc_heap must be True or False, got {freeze_gc_heap!r}")
         if not is_seed(seed):  # checked before the model loads, not by torch at the end
             raise ValueError(f"LLM: seed must be {SEED_RANGE}, got {seed!r}")
         dtype = _dtype(dtype)
@@ -138,6 +147,10 @@ class LLM:
                 f"LLM: compile_options must be a dict of qaic option name -> value (e.g. {{'fallback': 'error'}}), "
                 f"got {type(compile_options).__name__} {compile_options!r}"
             )
+        if freeze_gc_heap:
+            # Before the engine's own objects: a KV cache or module copy frozen now and
+            # later dropped in a reference cycle would never be freed.
+            freeze_startup_heap()
         source, model = model, load_model(model, layer_agnostic_kv_update=layer_agnostic_kv_update, dtype=dtype)
         model.eval()
         # As vLLM: positions past the model's trained range are refused, not run.

@@ -45,6 +45,7 @@ import sys
 import threading
 import time
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -346,7 +347,9 @@ class RegionPrecompile:
         self.guards: DroppedGuards | None = None
         self.off: str | None = None  # why this region is traced by Dynamo instead
         self.tried = False
-        self._checked_context: Any = None
+        # Weak: the context holds the step's KV caches, which must go when the engine
+        # drops or rebinds them, not live on in the last region that checked them.
+        self._checked_context: weakref.ref[Any] | None = None
         self._lock = threading.Lock()
 
     def _key(self) -> str:
@@ -371,12 +374,13 @@ class RegionPrecompile:
         if frame is None:
             return None
         ctx = get_forward_context() if has_forward_context() else None
-        if ctx is None or ctx is not self._checked_context:
+        checked = self._checked_context
+        if ctx is None or checked is None or checked() is not ctx:
             problem = self.guards.mismatch(f_locals) if self.guards is not None else None
             if problem is not None:
                 self._drop(problem)
                 return None
-            self._checked_context = ctx
+            self._checked_context = weakref.ref(ctx) if ctx is not None else None
         if frame.guard_manager.check(f_locals):
             return frame.fn
         return None
