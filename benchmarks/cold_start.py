@@ -20,6 +20,8 @@ Dynamo tracing and backend time. Methods:
   warm       regional-traced in a second fresh process whose persistent cache a first
              (unmeasured) regional-traced process filled: a restart that traces every
              region with Dynamo again and loads the pieces from disk
+  regional-unfrozen  regional with LLM(freeze_gc_heap=False): the start-up heap left in
+             the cyclic collector's generations, so each full collection re-scans it
   aot-warm   regional in a second fresh process after a first regional one: a restart
              that loads each region's saved Dynamo trace (precompile) and traces nothing;
              after its measured calls it also times the compiled and the eager forward
@@ -53,10 +55,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-METHODS = ["regional", "regional-traced", "qaic", "warm", "aot-warm", "per-layer", "inductor", "floor", "onnx"]
-REGIONAL = ("regional", "regional-traced", "warm", "aot-warm")
+METHODS = [
+    "regional",
+    "regional-traced",
+    "regional-unfrozen",
+    "qaic",
+    "warm",
+    "aot-warm",
+    "per-layer",
+    "inductor",
+    "floor",
+    "onnx",
+]
+REGIONAL = ("regional", "regional-traced", "regional-unfrozen", "warm", "aot-warm")
 #: The regional methods that save and load traces (precompile) and the ones that do not.
-PRECOMPILED = ("regional", "aot-warm")
+PRECOMPILED = ("regional", "regional-unfrozen", "aot-warm")
 EXPENSIVE = {"per-layer", "inductor", "onnx"}
 TARGETS = {  # name: (description, predicate on the figure)
     "flat_32": ("regional(32)/regional(2) <= 1.2", lambda r: r <= 1.2),
@@ -123,7 +136,12 @@ def child(method: str, layers: int, hidden: int, vocab: int) -> dict:
     from qaic_dynamo.engine import LLM
 
     llm = LLM(
-        model, backend="eager", layer_agnostic_kv_update=(method != "per-layer"), max_num_seqs=2, max_model_len=64
+        model,
+        backend="eager",
+        layer_agnostic_kv_update=(method != "per-layer"),
+        max_num_seqs=2,
+        max_model_len=64,
+        freeze_gc_heap=(method != "regional-unfrozen"),
     )
     backend_s = [0.0]
     qaic_methods = ("qaic", "per-layer", *REGIONAL)
@@ -411,7 +429,17 @@ def main() -> None:
         rows,
     )
     split_rows = []
-    for m in ("regional", "regional-traced", "qaic", "warm", "aot-warm", "per-layer", "inductor", "floor"):
+    for m in (
+        "regional",
+        "regional-traced",
+        "regional-unfrozen",
+        "qaic",
+        "warm",
+        "aot-warm",
+        "per-layer",
+        "inductor",
+        "floor",
+    ):
         if m in samples:
             for L in layers:
                 if samples[m][L]:
@@ -504,6 +532,15 @@ def main() -> None:
             v = div(mid("regional", deep), mid("regional", 2))
             if v is not None:
                 diag[f"{name}: regional({deep})/regional(2)"] = v
+    # What freezing the start-up heap (the engine's default) changes, side by side.
+    for deep in (32, 128):
+        v = div(at("regional-unfrozen", deep), at("regional-unfrozen", 2))
+        if v is not None:
+            diag[f"unfrozen: regional-unfrozen({deep})/regional-unfrozen(2)"] = v
+    for L in layers:
+        v = div(at("regional-unfrozen", L), at("regional", L))
+        if v is not None:
+            diag[f"regional-unfrozen({L})/regional({L})"] = v
     ratio_lines += [f"{k:<45} {v:7.2f}   (diagnostic, not a target)" for k, v in diag.items()]
     # An aot-warm first call is a load plus one forward: how far can the forward go down?
     floor_rows = []

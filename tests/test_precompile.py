@@ -22,6 +22,7 @@ import torch.nn as nn
 import qaic_dynamo
 from qaic_dynamo import compilation_counter
 from qaic_dynamo.compiler.regions.precompile import DroppedGuards, describe, wait_for_saves
+from qaic_dynamo.errors import PrecompileError
 
 CHILD = Path(__file__).parent / "precompile_child.py"
 REGIONS = 5  # the decoder block, embeddings, rotary embedding, final norm, head
@@ -170,6 +171,33 @@ def test_a_file_edited_after_import_is_not_saved_under_its_new_digest(tmp_path):
     assert second["max_diff"] < 1e-5
 
 
+def test_source_digests_compile_a_file_once_per_content_and_still_catch_an_edit(tmp_path, monkeypatch):
+    import builtins
+    import importlib.util
+
+    from qaic_dynamo.compiler.regions import precompile
+
+    path = tmp_path / "digested.py"
+    path.write_text("def f(x):\n    return x + 1\n")
+    spec = importlib.util.spec_from_file_location("digested", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    compiled = []
+
+    def counting(*args, **kwargs):
+        compiled.append(args[1])
+        return builtins.compile(*args, **kwargs)
+
+    monkeypatch.setattr(precompile, "compile", counting, raising=False)
+    first = precompile.source_digests([mod.f.__code__])
+    assert precompile.source_digests([mod.f.__code__]) == first  # a second region reading the same file
+    assert compiled == [str(path)]
+    path.write_text("def f(x):\n    return x + 2\n")  # edited after import: new bytes, compiled again
+    with pytest.raises(PrecompileError, match="changed since f was imported"):
+        precompile.source_digests([mod.f.__code__])
+    assert compiled == [str(path)] * 2
+
+
 def test_an_mla_model_restarts_through_llm_without_any_dynamo_trace(tmp_path):
     # The engine marked input_ids dynamic, and the MLA model hands input_ids straight to its
     # embedding region: Dynamo does not save a tensor's marks, so the loaded embedding's
@@ -313,7 +341,6 @@ def test_a_saved_graph_whose_artifact_is_gone_does_not_load(tmp_path):
     from qaic_dynamo.compiler import QaicBackend
     from qaic_dynamo.compiler.saved_graph import SavedGraph, loading_config
     from qaic_dynamo.config import CompilationConfig
-    from qaic_dynamo.errors import PrecompileError
 
     torch._dynamo.reset()
     config = CompilationConfig.from_options({"cache_dir": str(tmp_path / "a")})

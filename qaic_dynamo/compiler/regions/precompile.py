@@ -220,6 +220,32 @@ def _code_tree(code: types.CodeType) -> Iterator[types.CodeType]:
             yield from _code_tree(const)
 
 
+#: (path, sha256 of its bytes) -> its code objects by (qualified name, first line). The
+#: regions of one model read the same files (the model's modeling file above all); each
+#: is compiled once per content, not once per save.
+_code_index: dict[tuple[str, str], dict[tuple[str, int], list[types.CodeType]]] = {}
+_code_index_lock = threading.Lock()
+
+
+def _codes_in(path: str, data: bytes, digest: str) -> dict[tuple[str, int], list[types.CodeType]]:
+    with _code_index_lock:
+        index = _code_index.get((path, digest))
+    if index is not None:
+        return index
+    try:
+        compiled = compile(data, path, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as e:
+        raise PrecompileError(f"{path} no longer compiles ({e}); it changed since it was imported") from None
+    index = {}
+    for c in _code_tree(compiled):  # two lambdas on one line share a name and a line
+        index.setdefault((c.co_qualname, c.co_firstlineno), []).append(c)
+    with _code_index_lock:
+        if len(_code_index) >= 256:  # files edited over and over in one long process
+            _code_index.clear()
+        _code_index[(path, digest)] = index
+    return index
+
+
 def source_digests(codes: list[types.CodeType]) -> dict[str, str]:
     """sha256 of each source file ``codes`` came from, each file checked to still compile
     to those very code objects.
@@ -242,13 +268,8 @@ def source_digests(codes: list[types.CodeType]) -> dict[str, str]:
             data = Path(path).read_bytes()
         except OSError:
             continue
-        try:
-            compiled = compile(data, path, "exec", dont_inherit=True)
-        except (SyntaxError, ValueError) as e:
-            raise PrecompileError(f"{path} no longer compiles ({e}); it changed since it was imported") from None
-        found: dict[tuple[str, int], list[types.CodeType]] = {}
-        for c in _code_tree(compiled):  # two lambdas on one line share a name and a line
-            found.setdefault((c.co_qualname, c.co_firstlineno), []).append(c)
+        digest = hashlib.sha256(data).hexdigest()
+        found = _codes_in(path, data, digest)
         for code in file_codes:
             # co_name aside: a region entry's code is renamed per region (its qualname is not)
             candidates = [
@@ -259,7 +280,7 @@ def source_digests(codes: list[types.CodeType]) -> dict[str, str]:
                     f"{path} changed since {code.co_qualname} was imported from it (or an import hook rewrote "
                     "its code, as pytest's assertion rewriting does)"
                 )
-        digests[path] = hashlib.sha256(data).hexdigest()
+        digests[path] = digest
     return digests
 
 
