@@ -429,18 +429,8 @@ def main() -> None:
         rows,
     )
     split_rows = []
-    for m in (
-        "regional",
-        "regional-traced",
-        "regional-unfrozen",
-        "qaic",
-        "warm",
-        "aot-warm",
-        "per-layer",
-        "inductor",
-        "floor",
-    ):
-        if m in samples:
+    for m in METHODS:
+        if m in samples and m != "onnx":  # no Dynamo, no backend: nothing to split
             for L in layers:
                 if samples[m][L]:
                     split_rows.append(
