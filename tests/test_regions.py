@@ -161,6 +161,59 @@ def test_regions_compile_with_the_collector_paused():
     assert got == engine(llama(2), backend="eager").generate(PROMPTS, 2)
 
 
+@pytest.mark.parametrize("precompile", [True, False])
+def test_regions_trace_without_dynamos_guard_latency_profile_unless_a_guards_log_shows_it(precompile, monkeypatch):
+    """Dynamo times one guard evaluation of every frame it compiles after flushing the CPU
+    caches (~16 ms a region, for a log line and a metric). Regions skip it - both the
+    traced and the saved-trace path - and put Dynamo's function back; a plain
+    torch.compile keeps it, and so do regions while Dynamo's guards log is on."""
+    from torch._dynamo import guards
+
+    profiled = []
+    original = guards.profile_guard_manager
+
+    def profile(*args):
+        profiled.append(args)
+        return original(*args)
+
+    monkeypatch.setattr(guards, "profile_guard_manager", profile)
+    torch._dynamo.reset()
+    opts = {"cache": False} if not precompile else {}
+    got = engine(llama(2), compile_options=opts).generate(PROMPTS, 2)
+    assert profiled == [] and guards.profile_guard_manager is profile
+    assert got == engine(llama(2), backend="eager").generate(PROMPTS, 2)
+
+    torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))
+    assert len(profiled) == 1
+
+    torch._dynamo.reset()
+    torch._logging.set_logs(guards=True)
+    try:
+        engine(llama(2), compile_options=opts).generate(PROMPTS, 2)
+    finally:
+        torch._logging.set_logs()
+    assert len(profiled) > 1
+
+
+def test_a_structured_trace_keeps_dynamos_guard_latency_profile(tmp_path):
+    from torch._dynamo import guards
+    from torch._logging._internal import LazyTraceHandler, trace_log
+
+    from qaic_dynamo._compat import guard_latency_profile_off, guard_latency_profile_restore
+
+    original = guards.profile_guard_manager
+    handler = LazyTraceHandler(str(tmp_path))  # what TORCH_TRACE=<dir> installs
+    trace_log.addHandler(handler)
+    try:
+        assert guard_latency_profile_off() is None and guards.profile_guard_manager is original
+    finally:
+        trace_log.removeHandler(handler)
+    token = guard_latency_profile_off()
+    assert token is original and guards.profile_guard_manager is not original
+    guard_latency_profile_restore(token)
+    assert guards.profile_guard_manager is original
+
+
 def test_per_layer_names_in_a_block_are_refused_by_dynamo_not_silently_wrong():
     """With real layer names (the baseline) a traced block reads a per-layer constant:
     Dynamo re-traces it per layer. It stays correct; the point of the magic name is that

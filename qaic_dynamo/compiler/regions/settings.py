@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
-from qaic_dynamo._compat import dynamo_config_patch, dynamo_recompile_limit
+from qaic_dynamo._compat import (
+    dynamo_config_patch,
+    dynamo_recompile_limit,
+    guard_latency_profile_off,
+    guard_latency_profile_restore,
+)
+from qaic_dynamo.process_wide import ProcessWide
 
 __all__ = ["REGION_RECOMPILE_LIMIT", "region_config", "region_recompile_limit", "specialized_floats"]
 
@@ -23,7 +31,12 @@ def specialized_floats() -> Any:
     return dynamo_config_patch(specialize_float=True)
 
 
-def region_config() -> Any:
+#: Process-wide (a module global of Dynamo's), held while any region traces.
+_guard_profile_off = ProcessWide(guard_latency_profile_off, guard_latency_profile_restore)
+
+
+@contextlib.contextmanager
+def region_config() -> Iterator[None]:
     """Dynamo's config for compiling a region: :func:`specialized_floats`, and Dynamo's
     fake tensors without their dispatch cache.
 
@@ -37,10 +50,18 @@ def region_config() -> Any:
     (``forward_with_checkpointing``), so the blocks of every model a process compiles share
     that code object's cache - the ninth model's layers (another size, another eps) ran
     eagerly, with nothing but Dynamo's log line to say so.
+
+    And without the guard-latency measurement Dynamo takes of every frame it compiles
+    (:func:`~qaic_dynamo._compat.guard_latency_profile_off`: a cache flush that cost 16 ms
+    of each region's trace), unless a guards log or a structured trace would show it.
     """
-    return dynamo_config_patch(
-        specialize_float=True, fake_tensor_cache_enabled=False, recompile_limit=region_recompile_limit()
-    )
+    with (
+        dynamo_config_patch(
+            specialize_float=True, fake_tensor_cache_enabled=False, recompile_limit=region_recompile_limit()
+        ),
+        _guard_profile_off.held(),
+    ):
+        yield
 
 
 #: Compiled entries one region code object may hold (see :func:`region_config`); past it
