@@ -195,9 +195,10 @@ def guard_latency_profile_off() -> Any:
     unless its guards log or a structured trace (``TORCH_TRACE``) would report it; returns
     the token :func:`guard_latency_profile_restore` takes.
 
-    ``CheckFunctionManager`` times one guard evaluation after flushing the CPU caches, and
-    the flush costs ~16 ms whatever the guards, against ~0.2 s of tracing a region; the
-    figure only goes to the guards log, the structured trace and a compile metric."""
+    ``CheckFunctionManager`` times one guard evaluation after flushing the CPU caches; the
+    flush costs the same whatever the guards, a sizeable share of tracing a small region
+    (docs/benchmarks.md), and the figure only goes to the guards log, the structured
+    trace and a compile metric."""
     from torch._dynamo import guards
     from torch._logging._internal import LazyTraceHandler, trace_log
 

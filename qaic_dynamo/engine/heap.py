@@ -12,8 +12,8 @@ dropped in a reference cycle would never be freed.
 
 Unlike vLLM it does not run a full collection first: that costs as much as the pause it
 saves. It collects the young generations (cheap), and whatever garbage already sits in
-the oldest one stays uncollected for the life of the process - in the demo process a few
-dozen objects. ``LLM(..., freeze_gc_heap=False)`` leaves the collector alone.
+the oldest one stays uncollected for the life of the process (docs/usage.md says how
+much that was in the demo). ``LLM(..., freeze_gc_heap=False)`` leaves the collector alone.
 """
 
 from __future__ import annotations

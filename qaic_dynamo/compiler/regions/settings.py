@@ -52,8 +52,8 @@ def region_config() -> Iterator[None]:
     eagerly, with nothing but Dynamo's log line to say so.
 
     And without the guard-latency measurement Dynamo takes of every frame it compiles
-    (:func:`~qaic_dynamo._compat.guard_latency_profile_off`: a cache flush that cost 16 ms
-    of each region's trace), unless a guards log or a structured trace would show it.
+    (:func:`~qaic_dynamo._compat.guard_latency_profile_off`: a CPU cache flush per region
+    trace), unless a guards log or a structured trace would show it.
     """
     with (
         dynamo_config_patch(
