@@ -25,7 +25,7 @@ Dynamo tracing and backend time. Methods:
   aot-warm   regional in a second fresh process after a first regional one: a restart
              that loads each region's saved Dynamo trace (precompile) and traces nothing;
              after its measured calls it also times the compiled and the eager forward
-             and the forward's matmul floor (see ``forward_floors``)
+             and the forward's matmul floor (``forward_floor.forward_floors``)
 
 Figures are medians over --repeats fresh processes; per-layer, inductor and onnx run only
 at --expensive-layers. Prints a table and the ratios of the targets of issues 10 and 39,
@@ -201,6 +201,8 @@ def child(method: str, layers: int, hidden: int, vocab: int) -> dict:
     call(compiled)
     run = time.perf_counter() - t0
     if method == "aot-warm":  # what a first call that loads can cost at best: one forward
+        from forward_floor import forward_floors
+
         result.update(forward_floors(llm.model, call, compiled, tokens=len(ids), rows=len(idx)))
     if method in REGIONAL:  # the backend calls of every region
         from qaic_dynamo.compiler import compile_reports
@@ -218,6 +220,7 @@ def child(method: str, layers: int, hidden: int, vocab: int) -> dict:
         onnx_exports=compilation_counter.num_onnx_exports - before.num_onnx_exports,
         disk_hits=compilation_counter.num_disk_cache_hits - before.num_disk_cache_hits,
         precompiled_loads=compilation_counter.num_precompiled_loads - before.num_precompiled_loads,
+        gc_freeze_s=llm.gc_freeze_seconds,  # before the measured call: in LLM(...), once per process
     )
     if method in qaic_methods:
         from qaic_dynamo.cache import Source
@@ -231,49 +234,6 @@ def child(method: str, layers: int, hidden: int, vocab: int) -> dict:
         result["graphs"] = compilation_counter.num_graphs_seen - before.num_graphs_seen
         result["exporter_fallbacks"] = compilation_counter.num_exporter_fallbacks - before.num_exporter_fallbacks
     return result
-
-
-def forward_floors(model, call, compiled, tokens: int, rows: int) -> dict:
-    """After the measured calls: the compiled forward and the same modules run eagerly
-    (``force_eager`` sends every region to eager PyTorch), medians of 3; the GFLOP of the
-    model's matrix multiplications (each ``nn.Linear`` on ``tokens`` rows, the head on the
-    ``rows`` it computes); and the best rate this CPU gives a large square GEMM (2048^3,
-    best of 5). Their quotient is a floor no forward here can beat."""
-    import torch
-
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    gflop = (
-        sum(2 * m.in_features * m.out_features * (rows if name.endswith("lm_head") else tokens) for name, m in linears)
-        / 1e9
-    )
-
-    def median_s(fn):
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    def eager():
-        with torch.compiler.set_stance("force_eager"):
-            call(compiled)
-
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t0)
-    peak = 2 * 2048**3 / best / 1e9
-    return {
-        "compiled_run_s": median_s(lambda: call(compiled)),
-        "eager_run_s": median_s(eager),
-        "matmul_gflop": gflop,
-        "gemm_peak_gflops": peak,
-        "matmul_floor_s": gflop / peak,
-    }
 
 
 def run_child(method: str, layers: int, hidden: int, vocab: int, timeout: float) -> dict:
@@ -522,7 +482,11 @@ def main() -> None:
             v = div(mid("regional", deep), mid("regional", 2))
             if v is not None:
                 diag[f"{name}: regional({deep})/regional(2)"] = v
-    # What freezing the start-up heap (the engine's default) changes, side by side.
+    # What freezing the start-up heap (the engine's default) changes, side by side, and
+    # what the full collection before it costs when the engine is made (not in the call).
+    freezes = [s["gc_freeze_s"] for by_l in samples.get("regional", {}).values() for s in by_l if s.get("gc_freeze_s")]
+    if freezes:
+        diag["regional: collect + freeze in LLM(...), median (s)"] = statistics.median(freezes)
     for deep in (32, 128):
         v = div(at("regional-unfrozen", deep), at("regional-unfrozen", 2))
         if v is not None:

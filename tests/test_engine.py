@@ -254,40 +254,52 @@ from qaic_dynamo import LLM
 from qaic_dynamo.compiler.regions.precompile import wait_for_saves
 from qaic_dynamo.engine.heap import startup_heap_frozen
 from qaic_dynamo.models import QaicLlamaConfig, QaicLlamaForCausalLM
-freeze = sys.argv[1] == "1"
-tracked_before = len(gc.get_objects())
-model = QaicLlamaForCausalLM(QaicLlamaConfig(num_hidden_layers=2))
-llm = LLM(model, backend="qaic", max_model_len=32, freeze_gc_heap=freeze)
-frozen_once = gc.get_freeze_count()
-tokens = llm.generate([[1, 2, 3]], 3)
-cache = weakref.ref(next(iter(llm.kv_caches.values()))[0])
-wait_for_saves()  # a pending save holds its region until written
-del llm  # the compiled engine holds its caches in a reference cycle
-LLM(model, backend="eager", max_model_len=32, freeze_gc_heap=freeze)  # a second engine freezes nothing more
+
+
+def tracked(obj):  # frozen objects are not in the collector's generations
+    return any(o is obj for o in gc.get_objects())
 
 
 class Cycle:
     pass
 
 
+freeze = sys.argv[1] == "1"
+old = Cycle()
+old.self, old.tensor = old, torch.zeros(1 << 18)
+old_ref = weakref.ref(old)
+gc.collect()  # old garbage: in the oldest generation when the engine is made
+del old
+tracked_before = len(gc.get_objects())
+model = QaicLlamaForCausalLM(QaicLlamaConfig(num_hidden_layers=2))
+llm = LLM(model, backend="qaic", max_model_len=32, freeze_gc_heap=freeze)
+frozen_once, old_freed = gc.get_freeze_count(), old_ref() is None
+tokens = llm.generate([[1, 2, 3]], 3)
+engine_model_tracked, user_model_tracked = tracked(llm.model), tracked(model)
+cache = weakref.ref(next(iter(llm.kv_caches.values()))[0])
+wait_for_saves()  # a pending save holds its region until written
+del llm
+second = LLM(model, backend="eager", max_model_len=32, freeze_gc_heap=freeze)
 a, b = Cycle(), Cycle()
 a.other, b.other = b, a
 cycle = weakref.ref(a)
 del a, b
 gc.collect()
 print(json.dumps(dict(
-    tracked_before=tracked_before, frozen=frozen_once,
-    frozen_after_second=gc.get_freeze_count(), flag=startup_heap_frozen(), tokens=tokens,
+    tracked_before=tracked_before, frozen=frozen_once, frozen_after_second=gc.get_freeze_count(),
+    flag=startup_heap_frozen(), tokens=tokens, old_freed=old_freed, second_seconds=second.gc_freeze_seconds,
+    engine_model_tracked=engine_model_tracked, user_model_tracked=user_model_tracked,
     cycle_freed=cycle() is None, cache_freed=cache() is None, enabled=gc.isenabled(),
 )))
 """
 
 
 @pytest.mark.parametrize("freeze", [True, False])
-def test_the_first_engine_freezes_the_start_up_heap_once_and_its_own_garbage_is_still_collected(freeze):
+def test_the_first_engine_collects_then_freezes_the_start_up_heap_once_and_not_its_own_objects(freeze):
     """vLLM's start-up heap freeze: full collections (a compile triggers them) no longer
-    re-scan the objects imports made; the engine's own objects are not frozen (a dropped
-    engine's KV caches, held in a reference cycle, are freed), nor is what comes after."""
+    re-scan the objects imports made. Garbage waiting in the oldest generation is freed
+    first, not frozen; the engine's own objects are not frozen (its module copy stays in
+    the collector's generations, its caches go with it), nor is what comes after."""
     import subprocess
     import sys
 
@@ -297,15 +309,16 @@ def test_the_first_engine_freezes_the_start_up_heap_once_and_its_own_garbage_is_
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["enabled"] and r["cycle_freed"] and r["cache_freed"] and len(r["tokens"][0]) == 3
+    assert r["engine_model_tracked"] and r["second_seconds"] is None
     assert r["flag"] is freeze
     if freeze:
-        # the import-time heap (torch, transformers, ...) left the collector's generations
-        # (less what the young collection freed first)
-        assert r["frozen"] > 0.9 * r["tracked_before"] > 50_000
+        assert r["old_freed"]  # collected when the first engine was made, not frozen
+        assert r["frozen"] > 0.9 * r["tracked_before"] > 50_000  # the import-time heap
+        assert not r["user_model_tracked"]  # the caller's model was alive then: frozen
         # not frozen again (frozen objects freed by reference counting leave the count)
         assert r["frozen_after_second"] <= r["frozen"]
     else:
-        assert r["frozen"] == r["frozen_after_second"] == 0
+        assert r["frozen"] == r["frozen_after_second"] == 0 and r["user_model_tracked"]
 
 
 def test_freeze_gc_heap_must_be_a_bool():

@@ -210,8 +210,25 @@ def test_a_structured_trace_keeps_dynamos_guard_latency_profile(tmp_path):
         trace_log.removeHandler(handler)
     token = guard_latency_profile_off()
     assert token is original and guards.profile_guard_manager is not original
+    assert guard_latency_profile_off() is None  # already off: nothing to put back twice
     guard_latency_profile_restore(token)
     assert guards.profile_guard_manager is original
+
+
+def test_a_guard_latency_profile_replaced_meanwhile_is_not_overwritten(monkeypatch):
+    from torch._dynamo import guards
+
+    from qaic_dynamo._compat import guard_latency_profile_off, guard_latency_profile_restore
+
+    original = guards.profile_guard_manager
+    token = guard_latency_profile_off()
+
+    def theirs(*args):  # a profiler's, installed while a region held the no-op
+        return original(*args)
+
+    monkeypatch.setattr(guards, "profile_guard_manager", theirs)
+    guard_latency_profile_restore(token)
+    assert guards.profile_guard_manager is theirs
 
 
 def test_per_layer_names_in_a_block_are_refused_by_dynamo_not_silently_wrong():

@@ -206,17 +206,19 @@ def guard_latency_profile_off() -> Any:
     # with a directory; without one that handler removes itself at its first record, and
     # other handlers there are not a trace (pytest's log capture adds its own).
     tracing = any(isinstance(h, LazyTraceHandler) and h.root_dir is not None for h in trace_log.handlers)
-    if tracing or guards.guards_log.isEnabledFor(logging.DEBUG):
-        return None
     original = guards.profile_guard_manager
+    if tracing or guards.guards_log.isEnabledFor(logging.DEBUG) or original is _no_guard_latency_profile:
+        return None
     guards.profile_guard_manager = _no_guard_latency_profile
     return original
 
 
 def guard_latency_profile_restore(token: Any) -> None:
-    if token is not None:
-        from torch._dynamo import guards
+    """Put back what :func:`guard_latency_profile_off` replaced - unless someone replaced
+    it meanwhile (a profiler, a test's monkeypatch), whose function then stays."""
+    from torch._dynamo import guards
 
+    if token is not None and guards.profile_guard_manager is _no_guard_latency_profile:
         guards.profile_guard_manager = token
 
 

@@ -93,9 +93,9 @@ class LLM:
         seed: seed of the generator shared by requests sampled without a seed of their own.
         max_num_batched_tokens: tokens fed per step at most (prompts are prefilled in
             chunks within it); default the larger of ``max_model_len`` and 512.
-        freeze_gc_heap: freeze the process's start-up heap out of Python's cyclic garbage
-            collector (once per process, as vLLM does after start-up): the full
-            collections that compiling and serving trigger then skip the hundreds of
+        freeze_gc_heap: collect, then freeze the process's start-up heap out of Python's
+            cyclic garbage collector (once per process, as vLLM does after start-up): the
+            full collections that compiling and serving trigger then skip the hundreds of
             thousands of objects imports made (:mod:`.heap`). Objects alive at that point
             are never collected as cyclic garbage; ``False`` leaves the collector alone.
 
@@ -147,10 +147,11 @@ class LLM:
                 f"LLM: compile_options must be a dict of qaic option name -> value (e.g. {{'fallback': 'error'}}), "
                 f"got {type(compile_options).__name__} {compile_options!r}"
             )
-        if freeze_gc_heap:
-            # Before the engine's own objects: a KV cache or module copy frozen now and
-            # later dropped in a reference cycle would never be freed.
-            freeze_startup_heap()
+        # Before the engine's own objects: a KV cache or module copy frozen now and later
+        # dropped in a reference cycle would never be freed.
+        #: Seconds this engine spent collecting and freezing the start-up heap (None: not
+        #: this one - another engine did, or ``freeze_gc_heap=False``).
+        self.gc_freeze_seconds = freeze_startup_heap() if freeze_gc_heap else None
         source, model = model, load_model(model, layer_agnostic_kv_update=layer_agnostic_kv_update, dtype=dtype)
         model.eval()
         # As vLLM: positions past the model's trained range are refused, not run.
