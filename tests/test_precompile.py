@@ -390,13 +390,14 @@ def test_a_saved_trace_that_fails_to_load_for_any_reason_is_traced_again(tmp_pat
     torch.testing.assert_close(out, eager)
 
 
-def test_the_deferred_inlined_source_record_installs_once_and_passes_through_outside_a_trace():
+def test_the_deferred_source_and_guard_records_install_once_and_pass_through_outside_a_trace():
     # aot_compile_frame collects traced code objects instead of letting Dynamo read and hash
     # their modules in the first call. Installed from several threads at once, the patch
     # must not take itself for the original (every later call would recurse), and outside
     # a trace Dynamo's own record works as before.
     import threading
 
+    from torch._dynamo.convert_frame import GraphCaptureOutput
     from torch._dynamo.package import SourceInfo
 
     from qaic_dynamo._compat import torch_2_13
@@ -413,6 +414,64 @@ def test_the_deferred_inlined_source_record_installs_once_and_passes_through_out
     for t in threads:
         t.join()
     assert SourceInfo.add_code.qaic_defers and not getattr(torch_2_13._original_add_code, "qaic_defers", False)
+    assert GraphCaptureOutput.build_guards.qaic_defers
+    assert not getattr(torch_2_13._original_build_guards, "qaic_defers", False)
     info = SourceInfo(inlined_sources=set())
     info.add_code(describe.__code__)
     assert [s.module for s in info.inlined_sources] == ["qaic_dynamo.compiler.regions.precompile"]
+
+
+def test_a_block_changed_before_its_save_is_not_saved_as_if_traced_that_way(tmp_path):
+    """The saved guards are built at the save, off the first call, from the objects as
+    they are then. A block changed in between (its branch attribute flipped) would be
+    saved under guards that describe it as changed, over the trace of the old branch."""
+    from region_models import Stack
+
+    x = torch.randn(2, 8)
+    torch._dynamo.reset()
+    model = Stack()
+    with torch.no_grad():
+        qaic_dynamo.compile(model, cache_dir=str(tmp_path))
+        with compilation_counter.expect(num_precompiled_traces=2):  # the input projection and the block
+            model(x)
+        for layer in model.layers:
+            layer.act = False  # tanh now: the relu trace must not be saved as if for this
+        with compilation_counter.expect(num_precompiled_saves=1):  # only the input projection's
+            wait_for_saves()
+
+        torch._dynamo.reset()  # a restart against the same cache, with the changed blocks
+        restarted = Stack()
+        for layer in restarted.layers:
+            layer.act = False
+        eager = restarted(x)
+        qaic_dynamo.compile(restarted, cache_dir=str(tmp_path))
+        with compilation_counter.expect(num_precompiled_loads=1, num_precompiled_traces=1):
+            out = restarted(x)
+    wait_for_saves()
+    torch.testing.assert_close(out, eager)
+
+
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
+def test_a_trace_is_saved_whatever_grad_mode_it_ran_under(tmp_path, mode):
+    """The saver thread builds the saved guards under the trace's thread state (grad and
+    inference mode are per thread; Dynamo's guards check them), or none would hold."""
+    from region_models import Stack
+
+    context = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
+    x = torch.randn(2, 8)
+    torch._dynamo.reset()
+    model = Stack().requires_grad_(False)
+    with context():
+        eager = model(x)
+        qaic_dynamo.compile(model, cache_dir=str(tmp_path))
+        with compilation_counter.expect(num_precompiled_traces=2):
+            model(x)
+    with compilation_counter.expect(num_precompiled_saves=2):
+        wait_for_saves()
+
+    torch._dynamo.reset()
+    restarted = Stack().requires_grad_(False)
+    qaic_dynamo.compile(restarted, cache_dir=str(tmp_path))
+    with context(), compilation_counter.expect(num_precompiled_loads=2, num_precompiled_traces=0):
+        out = restarted(x)
+    torch.testing.assert_close(out, eager)

@@ -381,28 +381,39 @@ def dynamo_internals() -> DynamoInternals | None:
 class AotFrame:
     """A frame traced by Dynamo's ``aot_compile``: ``fn`` (the transformed bytecode as a
     function, the backend's output installed in its globals), ``guard_manager`` (the guards
-    Dynamo kept; ``check(f_locals)``), ``traced_codes`` (every code object the trace read)
-    and :meth:`serialize`.
+    this process checks; ``check(f_locals)``), ``traced_codes`` (every code object the
+    trace read) and :meth:`serialize`.
 
     Wraps ``torch._dynamo.aot_compile.AOTCompiledFunction``; its ``__call__`` is not used
     (it binds the signature with ``inspect`` and raises on a guard failure)."""
 
-    def __init__(self, compiled: Any, traced_codes: list[types.CodeType] | None = None) -> None:
+    def __init__(
+        self, compiled: Any, traced_codes: list[types.CodeType] | None = None, deferred: _DeferredGuards | None = None
+    ) -> None:
         self._compiled = compiled
         self.fn = compiled.fn
         self.guard_manager = compiled._artifacts.guard_manager
         self.traced_codes = traced_codes or []
         self._sources_pending = traced_codes is not None
+        self._deferred = deferred
 
     def serialize(self, closure: dict[str, Any]) -> bytes:
         """The saved frame; ``closure`` maps ``cell<i>`` to the contents of the traced
         function's closure cells, which are saved by reference (modules, wrapped
-        functions) and passed again to :func:`load_aot_frame`."""
+        functions) and passed again to :func:`load_aot_frame`.
+
+        Raises ``RuntimeError`` if an object the trace guarded on no longer passes its
+        guards (the saved guards would describe it as it is now, not as it was traced)."""
         if self._sources_pending:  # the inlined sources aot_compile_frame left for now
             info = self._compiled.source_info()
             for code in self.traced_codes:
                 _original_add_code(info, code)
             self._sources_pending = False
+        deferred, self._deferred = self._deferred, None  # built once; its scope is let go either way
+        if deferred is not None:
+            self._compiled._artifacts.guards_state = deferred.build(self.guard_manager)
+        if not self._compiled._artifacts.guards_state:
+            raise RuntimeError("the frame's guards were not built for saving")
         return type(self._compiled).serialize(self._compiled, closure).serialized_data
 
 
@@ -410,23 +421,100 @@ class AotFrame:
 # module, read and hash its file) inside ``aot_compile``, on the first call's critical
 # path, though only a save reads it. While ``aot_compile_frame`` traces, this thread's
 # calls only collect the code objects; :meth:`AotFrame.serialize` adds them later.
+#
+# Likewise the guards: ``aot_compile`` builds them twice (once whole, to evaluate the
+# filter on; again filtered) and pickles them, where Dynamo's own path builds them once.
+# While ``aot_compile_frame`` traces, this thread's ``GraphCaptureOutput.build_guards``
+# builds them once, whole, for this process to check, evaluates the filter on that build
+# (which tells the caller what it drops), and leaves the filtered build and its pickle
+# to :meth:`AotFrame.serialize`.
 _deferring = threading.local()
 _original_add_code: Callable[[Any, types.CodeType], None] = lambda info, code: None  # noqa: E731
+_original_build_guards: Callable[..., Any] = lambda *a, **k: None  # noqa: E731
 
 
 _patching = threading.Lock()
 
 
+@dataclass(frozen=True)
+class _ThreadState:
+    """The thread-local state a guard check reads (grad and inference mode, the dispatch
+    key sets, and what Dynamo's global-state guard compares), as the tracing thread had
+    it, to be set again on the thread that saves."""
+
+    grad: bool
+    inference: bool
+    dispatch: tuple[str, str]
+    global_state: Any  # torch._C._dynamo.guards.GlobalStateGuard
+
+    @staticmethod
+    def _dispatch() -> tuple[str, str]:
+        return str(torch._C._dispatch_tls_local_include_set()), str(torch._C._dispatch_tls_local_exclude_set())
+
+    @classmethod
+    def now(cls) -> _ThreadState:
+        from torch._C._dynamo.guards import GlobalStateGuard
+
+        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), cls._dispatch(), GlobalStateGuard())
+
+    @contextlib.contextmanager
+    def entered(self) -> Any:
+        with torch.inference_mode(self.inference), torch.set_grad_enabled(self.grad):
+            if self._dispatch() != self.dispatch:
+                raise RuntimeError(f"the trace's dispatch key sets cannot be set again here: {self.dispatch}")
+            if not self.global_state.check():
+                raise RuntimeError(f"the trace's global state cannot be set again here: {self.global_state.reason()}")
+            yield
+
+
+@dataclass
+class _DeferredGuards:
+    """What the filtered, saved build of a traced frame's guards needs, kept from the
+    trace until the save (it holds the frame's locals until then)."""
+
+    capture: Any  # GraphCaptureOutput
+    code: types.CodeType
+    keep: Callable[[list[Any]], list[bool]]
+    state: _ThreadState
+
+    def build(self, runtime_guards: Any) -> bytes:
+        from torch._dynamo.convert_frame import compile_lock
+        from torch._dynamo.hooks import Hooks
+
+        output_graph = self.capture.output_graph
+        with self.state.entered():
+            # The guards are built from the objects as they are now. Only if they still
+            # pass the guards built when traced do they describe what the trace saw.
+            if not runtime_guards.check(output_graph.local_scope):
+                raise RuntimeError(
+                    "an object the trace guarded on has changed since (the saved guards would not hold it)"
+                )
+            # That check stands in for Dynamo's own one after a build (and its latency
+            # profile, which needs a compile's metrics context this thread is not in).
+            output_graph.skip_guards_check = True
+            with compile_lock:  # one Dynamo build at a time: the main thread may be tracing
+                check_fn = _original_build_guards(
+                    self.capture, self.code, hooks=Hooks(guard_filter_fn=self.keep), save=True, strict_error=True
+                )
+            if not check_fn.guards_state or not check_fn.guard_manager.check(output_graph.local_scope):
+                raise RuntimeError("the frame's saved guards do not hold on its own locals")
+        return check_fn.guards_state
+
+
 def _defer_source_info() -> None:
-    """Install the collecting ``add_code`` once (two threads' first traces at once must
-    not take the patch itself for the original)."""
-    global _original_add_code
+    """Install the collecting ``add_code`` and the once-building ``build_guards`` once
+    (two threads' first traces at once must not take the patch itself for the original)."""
+    global _original_add_code, _original_build_guards
+    from torch._dynamo import guards
+    from torch._dynamo.convert_frame import GraphCaptureOutput
     from torch._dynamo.package import SourceInfo
 
     with _patching:
         if getattr(SourceInfo.add_code, "qaic_defers", False):
             return
         _original_add_code = SourceInfo.add_code
+        _original_build_guards = GraphCaptureOutput.build_guards
+        testing_hook = guards.guard_manager_testing_hook_fn
 
         def add_code(self: Any, code: types.CodeType) -> None:
             codes = getattr(_deferring, "codes", None)
@@ -435,8 +523,43 @@ def _defer_source_info() -> None:
             else:
                 codes.append(code)
 
-        add_code.qaic_defers = True  # type: ignore[attr-defined]
+        def build_guards(self: Any, code: types.CodeType, hooks: Any = None, save: bool = False, **kw: Any) -> Any:
+            record = getattr(_deferring, "guards", None)
+            if record is None or not save or hooks is None or hooks.guard_filter_fn is None or kw.get("cache_entries"):
+                return _original_build_guards(self, code, hooks=hooks, save=save, **kw)
+            return _build_once(self, code, hooks, record, kw)
+
+        def hook(guard_manager: Any, scope: Any, builder: Any) -> None:
+            if getattr(_deferring, "guards", None) is not None:
+                _deferring.builder = builder
+            if testing_hook is not None:
+                testing_hook(guard_manager, scope, builder)
+
+        add_code.qaic_defers = build_guards.qaic_defers = True  # type: ignore[attr-defined]
         SourceInfo.add_code = add_code
+        GraphCaptureOutput.build_guards = build_guards
+        guards.guard_manager_testing_hook_fn = hook
+
+
+def _build_once(capture: Any, code: types.CodeType, hooks: Any, record: list[Any], kw: dict[str, Any]) -> Any:
+    """``build_guards(save=True)`` inside ``aot_compile_frame``: the whole guards, built
+    once, with the filter evaluated on them, and the saved build left for later."""
+    from torch._dynamo.guards import make_guard_filter_entry
+    from torch._guards import Guard
+
+    if capture.output_graph.torch_function_mode_stack:  # a thread-local stack the saver could not set
+        return _original_build_guards(capture, code, hooks=hooks, save=True, **kw)
+    state = _ThreadState.now()
+    _deferring.builder = None
+    check_fn = _original_build_guards(capture, code, hooks=None, save=False, **kw)
+    builder, _deferring.builder = _deferring.builder, None
+    if builder is None:  # Dynamo skipped its own check (and the hook); build as aot_compile does
+        return _original_build_guards(capture, code, hooks=hooks, save=True, **kw)
+    guards = sorted(capture.output_graph.guards, key=Guard.sort_key)
+    hooks.guard_filter_fn([make_guard_filter_entry(g, builder) for g in guards])
+    record.append(_DeferredGuards(capture, code, hooks.guard_filter_fn, state))
+    check_fn.guards_state = b""  # aot_compile asks for one; AotFrame.serialize builds it
+    return check_fn
 
 
 def dropped_guard_types() -> tuple[str, ...]:
@@ -460,11 +583,13 @@ def aot_compile_frame(
 
     unsupported = dropped_guard_types()
     dropped: list[Any] = []
+    tracing = True
 
-    def guard_filter(entries: list[Any]) -> list[bool]:
-        keep = [not (g.is_global or g.guard_type in unsupported) for g in entries]
-        dropped.extend(g for g, k in zip(entries, keep) if not k)
-        return keep
+    def keep(entries: list[Any]) -> list[bool]:
+        kept = [not (g.is_global or g.guard_type in unsupported) for g in entries]
+        if tracing:  # the save's build filters again, and must not add to the trace's list
+            dropped.extend(g for g, k in zip(entries, kept) if not k)
+        return kept
 
     def registering_backend(gm: Any, example_inputs: Any) -> Any:
         out = backend(gm, example_inputs)
@@ -473,14 +598,18 @@ def aot_compile_frame(
 
     _defer_source_info()
     codes: list[types.CodeType] = []
-    outer, _deferring.codes = getattr(_deferring, "codes", None), codes  # a trace inside a backend nests
+    deferred: list[_DeferredGuards] = []
+    # a trace inside a backend nests
+    outer = getattr(_deferring, "codes", None), getattr(_deferring, "guards", None)
+    _deferring.codes, _deferring.guards = codes, deferred
     try:
         compiled = torch.compile(
-            func, fullgraph=True, backend=registering_backend, options={"guard_filter_fn": guard_filter}
+            func, fullgraph=True, backend=registering_backend, options={"guard_filter_fn": keep}
         ).aot_compile(example)
     finally:
-        _deferring.codes = outer
-    return AotFrame(compiled, codes), dropped
+        _deferring.codes, _deferring.guards = outer
+        tracing = False
+    return AotFrame(compiled, codes, deferred[-1] if deferred else None), dropped
 
 
 def load_aot_frame(data: bytes, closure: dict[str, Any]) -> AotFrame:

@@ -6,9 +6,10 @@ Dynamo tracing each region again. Dynamo's precompile (``aot_compile``, the mech
 vLLM's AOT compile mode) saves a traced frame - the transformed bytecode, its guards and
 the backend's output (:mod:`qaic_dynamo.compiler.saved_graph`) - and another process runs
 it without tracing. A region's first call therefore traces through ``aot_compile``
-(one trace, as Dynamo's own path would make) and runs that entry; a worker thread saves
-it a little later (``SAVE_DELAY_S``, or at exit), off the first call; the next process
-loads it.
+(one trace, and one build of its guards, as Dynamo's own path would make) and runs that
+entry; a worker thread saves it a little later (``SAVE_DELAY_S``, or at exit), off the
+first call - the saved guards are built and pickled then, only if the objects the trace
+guarded on still pass its guards - and the next process loads it.
 
 The saved entry keeps only the guards Dynamo can serialize. The ones it drops - every
 guard on a global (``apply_rotary_pos_emb``, the attention function registered under
