@@ -475,3 +475,26 @@ def test_a_trace_is_saved_whatever_grad_mode_it_ran_under(tmp_path, mode):
     with context(), compilation_counter.expect(num_precompiled_loads=2, num_precompiled_traces=0):
         out = restarted(x)
     torch.testing.assert_close(out, eager)
+
+
+def test_a_precompiled_trace_hands_the_backend_lazy_graph_modules_as_dynamo_does():
+    # aot_compile leaves lazy graph modules off, so every graph module the backend splits
+    # and rewrites was compiled to Python at each rewrite (a few tens of ms per model).
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+    from torch.fx.passes.split_module import split_module
+
+    from qaic_dynamo._compat import aot_compile_frame
+    from qaic_dynamo.compiler.saved_graph import SavedGraph
+    from qaic_dynamo.config import CompilationConfig
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        split = split_module(gm, None, lambda node: 0)  # as the backend splits at attention
+        seen.append((isinstance(gm, _LazyGraphModule), isinstance(split, _LazyGraphModule)))
+        return SavedGraph(gm.forward, CompilationConfig())
+
+    torch._dynamo.reset()
+    frame, _ = aot_compile_frame(scaled, ((torch.ones(3),), {}), backend)
+    assert seen == [(True, True)]
+    torch.testing.assert_close(frame.fn(torch.ones(3)), torch.full((3,), 2.0))

@@ -580,6 +580,7 @@ def aot_compile_frame(
     protocol; its class is registered as one here. Raises what Dynamo raises (a graph
     break is ``torch._dynamo.exc.Unsupported``)."""
     from torch._dynamo.aot_compile_types import SerializableCallable
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
     unsupported = dropped_guard_types()
     dropped: list[Any] = []
@@ -603,9 +604,13 @@ def aot_compile_frame(
     outer = getattr(_deferring, "codes", None), getattr(_deferring, "guards", None)
     _deferring.codes, _deferring.guards = codes, deferred
     try:
-        compiled = torch.compile(
-            func, fullgraph=True, backend=registering_backend, options={"guard_filter_fn": keep}
-        ).aot_compile(example)
+        # Lazy graph modules, as Dynamo's own compile makes them: aot_compile leaves them
+        # off, and every graph module the backend builds and rewrites is then compiled to
+        # Python at each rewrite instead of once, when it first runs.
+        with _use_lazy_graph_module(torch._dynamo.config.use_lazy_graph_module):
+            compiled = torch.compile(
+                func, fullgraph=True, backend=registering_backend, options={"guard_filter_fn": keep}
+            ).aot_compile(example)
     finally:
         _deferring.codes, _deferring.guards = outer
         tracing = False
