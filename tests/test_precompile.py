@@ -451,13 +451,20 @@ def test_a_block_changed_before_its_save_is_not_saved_as_if_traced_that_way(tmp_
     torch.testing.assert_close(out, eager)
 
 
-@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
+@pytest.mark.filterwarnings("ignore:qaic. piece .* runs eagerly:RuntimeWarning")  # bf16 Gemm, under autocast
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode", "autocast"])
 def test_a_trace_is_saved_whatever_grad_mode_it_ran_under(tmp_path, mode):
-    """The saver thread builds the saved guards under the trace's thread state (grad and
-    inference mode are per thread; Dynamo's guards check them), or none would hold."""
+    """The saver builds the saved guards under the trace's thread state (grad and
+    inference mode are per thread; Dynamo's guards check them), or none would hold; a
+    state it cannot set again (autocast) has them built and saved at the trace."""
     from region_models import Stack
 
-    context = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
+    context = {
+        "grad": torch.enable_grad,
+        "no_grad": torch.no_grad,
+        "inference_mode": torch.inference_mode,
+        "autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+    }[mode]
     x = torch.randn(2, 8)
     torch._dynamo.reset()
     model = Stack().requires_grad_(False)
@@ -472,7 +479,10 @@ def test_a_trace_is_saved_whatever_grad_mode_it_ran_under(tmp_path, mode):
     torch._dynamo.reset()
     restarted = Stack().requires_grad_(False)
     qaic_dynamo.compile(restarted, cache_dir=str(tmp_path))
-    with context(), compilation_counter.expect(num_precompiled_loads=2, num_precompiled_traces=0):
+    with (
+        context(),
+        compilation_counter.expect(num_precompiled_loads=2, num_precompiled_traces=0, num_dynamo_region_calls=0),
+    ):
         out = restarted(x)
     torch.testing.assert_close(out, eager)
 
@@ -498,3 +508,128 @@ def test_a_precompiled_trace_hands_the_backend_lazy_graph_modules_as_dynamo_does
     frame, _ = aot_compile_frame(scaled, ((torch.ones(3),), {}), backend)
     assert seen == [(True, True)]
     torch.testing.assert_close(frame.fn(torch.ones(3)), torch.full((3,), 2.0))
+
+
+def _frame_of_scaled_block(layer, x):
+    from qaic_dynamo._compat import aot_compile_frame
+    from qaic_dynamo.compiler.saved_graph import SavedGraph
+    from qaic_dynamo.config import CompilationConfig
+
+    def backend(gm, example_inputs):
+        return SavedGraph(gm.forward, CompilationConfig())
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        frame, _ = aot_compile_frame(type(layer).forward, ((layer, x), {}), backend)
+    return frame
+
+
+def test_a_block_changed_during_its_save_is_not_saved():
+    """The saved guards are built from the block as it is at the save. Changed by another
+    thread after the saver checked it against the trace's guards (while the saver waited
+    for Dynamo's compile lock, say), the new guards would describe the change: both sets
+    must hold on the same objects after the build."""
+    from region_models import Scaled
+
+    layer, x = Scaled(8), torch.randn(2, 8)
+    frame = _frame_of_scaled_block(layer, x)
+    trace_guards, checks = frame.guard_manager, []
+
+    class ChangedAfterFirstCheck:
+        def check(self, scope):
+            checks.append(trace_guards.check(scope))
+            if len(checks) == 1:
+                layer.act = False  # tanh from now on; the trace ran relu
+            return checks[-1]
+
+    frame.guard_manager = ChangedAfterFirstCheck()
+    with pytest.raises(RuntimeError, match="has changed since"):
+        frame.serialize({})
+    assert checks == [True, False]
+
+
+def test_a_trace_not_saved_lets_go_of_its_first_calls_inputs(tmp_path, monkeypatch):
+    """A traced region keeps its first call's locals for the saved guards' build; a save
+    that fails before that build (here: its source digests) must still let them go."""
+    import gc
+    import weakref
+
+    from region_models import Stack
+
+    from qaic_dynamo.compiler.regions import precompile
+
+    def no_digests(codes):
+        raise PrecompileError("a source file changed since it was imported")
+
+    monkeypatch.setattr(precompile, "source_digests", no_digests)
+    torch._dynamo.reset()
+    model, x = Stack(), torch.randn(2, 8)
+    qaic_dynamo.compile(model, cache_dir=str(tmp_path))
+    with torch.no_grad(), compilation_counter.expect(num_precompiled_traces=2):
+        model(x)
+    with compilation_counter.expect(num_precompiled_saves=0):
+        wait_for_saves()
+    gone = weakref.ref(x)
+    del x
+    gc.collect()
+    assert gone() is None
+
+
+def test_an_aot_compile_inside_the_backend_builds_and_keeps_its_own_guards():
+    """Only the trace's own aot_compile defers its saved guards; another library's
+    aot_compile inside the backend gets them built, as Dynamo builds them."""
+    from torch._dynamo.aot_compile_types import SerializableCallable
+
+    from qaic_dynamo._compat import aot_compile_frame
+    from qaic_dynamo.compiler.saved_graph import SavedGraph
+    from qaic_dynamo.config import CompilationConfig
+
+    SerializableCallable.register(SavedGraph)
+    inner = {}
+
+    def helper(y):
+        return y + 1
+
+    def backend(gm, example_inputs):
+        inner["compiled"] = torch.compile(
+            helper,
+            fullgraph=True,
+            backend=lambda g, e: SavedGraph(g.forward, CompilationConfig()),
+            options={"guard_filter_fn": lambda entries: [True] * len(entries)},
+        ).aot_compile(((torch.ones(2),), {}))
+        return SavedGraph(gm.forward, CompilationConfig())
+
+    torch._dynamo.reset()
+    frame, _ = aot_compile_frame(scaled, ((torch.ones(3),), {}), backend)
+    assert len(inner["compiled"]._artifacts.guards_state) > 100
+    assert len(frame.serialize({})) > 100
+
+
+def test_the_builder_hook_is_installed_again_if_replaced_and_chains_the_one_before():
+    """The trace takes Dynamo's guard builder through its testing hook; a hook set by a
+    test or a tool stays called, and one put back over ours does not cost the trace its
+    single build (it is installed again)."""
+    from unittest import mock
+
+    from torch._dynamo import guards
+
+    from qaic_dynamo._compat import aot_compile_frame
+    from qaic_dynamo.compiler.saved_graph import SavedGraph
+    from qaic_dynamo.config import CompilationConfig
+
+    def backend(gm, example_inputs):
+        return SavedGraph(gm.forward, CompilationConfig())
+
+    seen = []
+    with mock.patch.object(guards, "guard_manager_testing_hook_fn", lambda *a: seen.append(len(a))):
+        torch._dynamo.reset()
+        builds = []
+        original = guards.CheckFunctionManager.build_guards
+        with mock.patch.object(
+            guards.CheckFunctionManager, "build_guards", lambda *a, **k: builds.append(1) or original(*a, **k)
+        ):
+            frame, _ = aot_compile_frame(scaled, ((torch.ones(3),), {}), backend)
+        assert builds == [1] and seen == [3]  # one whole build; the earlier hook was called
+        assert len(frame.serialize({})) > 100
+    torch._dynamo.reset()
+    assert torch.compile(scaled, backend="eager")(torch.ones(2)).tolist() == [2.0, 2.0]  # outside a trace

@@ -382,7 +382,7 @@ class AotFrame:
     """A frame traced by Dynamo's ``aot_compile``: ``fn`` (the transformed bytecode as a
     function, the backend's output installed in its globals), ``guard_manager`` (the guards
     this process checks; ``check(f_locals)``), ``traced_codes`` (every code object the
-    trace read) and :meth:`serialize`.
+    trace read), :meth:`serialize` and :meth:`release`.
 
     Wraps ``torch._dynamo.aot_compile.AOTCompiledFunction``; its ``__call__`` is not used
     (it binds the signature with ``inspect`` and raises on a guard failure)."""
@@ -400,7 +400,7 @@ class AotFrame:
     def serialize(self, closure: dict[str, Any]) -> bytes:
         """The saved frame; ``closure`` maps ``cell<i>`` to the contents of the traced
         function's closure cells, which are saved by reference (modules, wrapped
-        functions) and passed again to :func:`load_aot_frame`.
+        functions) and passed again to :func:`load_aot_frame`. Once only.
 
         Raises ``RuntimeError`` if an object the trace guarded on no longer passes its
         guards (the saved guards would describe it as it is now, not as it was traced)."""
@@ -413,8 +413,13 @@ class AotFrame:
         if deferred is not None:
             self._compiled._artifacts.guards_state = deferred.build(self.guard_manager)
         if not self._compiled._artifacts.guards_state:
-            raise RuntimeError("the frame's guards were not built for saving")
+            raise RuntimeError("the frame's guards were not built for saving (serialize is called once)")
         return type(self._compiled).serialize(self._compiled, closure).serialized_data
+
+    def release(self) -> None:
+        """Let go of what only a save needs - the trace's locals (the first call's inputs),
+        kept for the saved guards' build - when the frame will not be saved."""
+        self._deferred = None
 
 
 # Dynamo records each traced code's module source (``SourceInfo.add_code``: locate the
@@ -424,16 +429,48 @@ class AotFrame:
 #
 # Likewise the guards: ``aot_compile`` builds them twice (once whole, to evaluate the
 # filter on; again filtered) and pickles them, where Dynamo's own path builds them once.
-# While ``aot_compile_frame`` traces, this thread's ``GraphCaptureOutput.build_guards``
-# builds them once, whole, for this process to check, evaluates the filter on that build
-# (which tells the caller what it drops), and leaves the filtered build and its pickle
-# to :meth:`AotFrame.serialize`.
+# While ``aot_compile_frame`` traces, its own ``aot_compile``'s call of
+# ``GraphCaptureOutput.build_guards`` builds them once, whole, for this process to check,
+# evaluates the filter on that build (which tells the caller what it drops), and leaves
+# the filtered build and its pickle to :meth:`AotFrame.serialize`.
 _deferring = threading.local()
 _original_add_code: Callable[[Any, types.CodeType], None] = lambda info, code: None  # noqa: E731
 _original_build_guards: Callable[..., Any] = lambda *a, **k: None  # noqa: E731
+_chained_testing_hook: Callable[[Any, Any, Any], Any] | None = None
 
 
 _patching = threading.Lock()
+
+
+@dataclass
+class _Deferring:
+    """One ``aot_compile_frame`` in progress on this thread: its filter (only the build
+    asking for it is deferred) and the deferred builds."""
+
+    keep: Callable[[list[Any]], list[bool]]
+    builds: list[_DeferredGuards]
+
+
+def _dispatch_sets() -> tuple[str, str]:
+    return str(torch._C._dispatch_tls_local_include_set()), str(torch._C._dispatch_tls_local_exclude_set())
+
+
+def _fresh_thread_state(grad: bool, inference: bool) -> tuple[tuple[str, str], str]:
+    """The dispatch key sets and Dynamo's global state (as JSON) of a new thread in grad
+    and inference mode as given: what :meth:`_ThreadState.entered` can set again. Not
+    cached: the global state holds process-wide settings too (threads, default dtype)."""
+    from torch._C._dynamo.guards import GlobalStateGuard
+
+    seen: list[tuple[tuple[str, str], str]] = []
+
+    def probe() -> None:
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            seen.append((_dispatch_sets(), GlobalStateGuard().__getstate__()))
+
+    t = threading.Thread(target=probe, name="qaic-thread-state-probe")
+    t.start()
+    t.join()
+    return seen[0]
 
 
 @dataclass(frozen=True)
@@ -447,20 +484,22 @@ class _ThreadState:
     dispatch: tuple[str, str]
     global_state: Any  # torch._C._dynamo.guards.GlobalStateGuard
 
-    @staticmethod
-    def _dispatch() -> tuple[str, str]:
-        return str(torch._C._dispatch_tls_local_include_set()), str(torch._C._dispatch_tls_local_exclude_set())
-
     @classmethod
-    def now(cls) -> _ThreadState:
+    def now(cls) -> _ThreadState | None:
+        """This thread's state, or None if another thread cannot take it on by setting
+        grad and inference mode (autocast, a disabled ``__torch_function__``, dispatch
+        keys set by hand)."""
         from torch._C._dynamo.guards import GlobalStateGuard
 
-        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), cls._dispatch(), GlobalStateGuard())
+        state = cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), _dispatch_sets(), GlobalStateGuard())
+        if (state.dispatch, state.global_state.__getstate__()) != _fresh_thread_state(state.grad, state.inference):
+            return None
+        return state
 
     @contextlib.contextmanager
     def entered(self) -> Any:
         with torch.inference_mode(self.inference), torch.set_grad_enabled(self.grad):
-            if self._dispatch() != self.dispatch:
+            if _dispatch_sets() != self.dispatch:
                 raise RuntimeError(f"the trace's dispatch key sets cannot be set again here: {self.dispatch}")
             if not self.global_state.check():
                 raise RuntimeError(f"the trace's global state cannot be set again here: {self.global_state.reason()}")
@@ -477,35 +516,59 @@ class _DeferredGuards:
     keep: Callable[[list[Any]], list[bool]]
     state: _ThreadState
 
-    def build(self, runtime_guards: Any) -> bytes:
+    def build(self, trace_guards: Any) -> bytes:
         from torch._dynamo.convert_frame import compile_lock
         from torch._dynamo.hooks import Hooks
 
-        output_graph = self.capture.output_graph
-        with self.state.entered():
-            # The guards are built from the objects as they are now. Only if they still
-            # pass the guards built when traced do they describe what the trace saw.
-            if not runtime_guards.check(output_graph.local_scope):
-                raise RuntimeError(
-                    "an object the trace guarded on has changed since (the saved guards would not hold it)"
-                )
+        scope = self.capture.output_graph.local_scope
+        changed = RuntimeError("an object the trace guarded on has changed since (the saved guards would not hold it)")
+        # Dynamo's compiles through its frame hook hold the lock; aot_compile does not.
+        with compile_lock, self.state.entered():
+            # The guards are built from the objects as they are now. They describe what
+            # the trace saw only if those objects pass the trace's own guards.
+            if not trace_guards.check(scope):
+                raise changed
             # That check stands in for Dynamo's own one after a build (and its latency
             # profile, which needs a compile's metrics context this thread is not in).
-            output_graph.skip_guards_check = True
-            with compile_lock:  # one Dynamo build at a time: the main thread may be tracing
-                check_fn = _original_build_guards(
-                    self.capture, self.code, hooks=Hooks(guard_filter_fn=self.keep), save=True, strict_error=True
-                )
-            if not check_fn.guards_state or not check_fn.guard_manager.check(output_graph.local_scope):
-                raise RuntimeError("the frame's saved guards do not hold on its own locals")
+            self.capture.output_graph.skip_guards_check = True
+            check_fn = _original_build_guards(
+                self.capture, self.code, hooks=Hooks(guard_filter_fn=self.keep), save=True, strict_error=True
+            )
+            # Another thread may have changed them during the build: the new guards and the
+            # trace's must hold on the same objects (each check runs holding the GIL), so
+            # every value the new ones took equals what the trace's took.
+            if not (check_fn.guard_manager.check(scope) and trace_guards.check(scope)):
+                raise changed
+            if not check_fn.guards_state:
+                raise RuntimeError("Dynamo built no guards to save")
         return check_fn.guards_state
+
+
+def _testing_hook(guard_manager: Any, scope: Any, builder: Any) -> None:
+    """Dynamo's ``guard_manager_testing_hook_fn`` while ours: hands ``_build_once`` the
+    guard builder, and calls the hook that was installed before."""
+    if getattr(_deferring, "trace", None) is not None:
+        _deferring.builder = builder
+    if _chained_testing_hook is not None:
+        _chained_testing_hook(guard_manager, scope, builder)
+
+
+def _own_testing_hook() -> None:
+    """Install :func:`_testing_hook`, chaining whatever is there (again if it was replaced)."""
+    global _chained_testing_hook
+    from torch._dynamo import guards
+
+    with _patching:
+        current = guards.guard_manager_testing_hook_fn
+        if current is not _testing_hook:
+            _chained_testing_hook = current
+            guards.guard_manager_testing_hook_fn = _testing_hook
 
 
 def _defer_source_info() -> None:
     """Install the collecting ``add_code`` and the once-building ``build_guards`` once
     (two threads' first traces at once must not take the patch itself for the original)."""
     global _original_add_code, _original_build_guards
-    from torch._dynamo import guards
     from torch._dynamo.convert_frame import GraphCaptureOutput
     from torch._dynamo.package import SourceInfo
 
@@ -514,7 +577,6 @@ def _defer_source_info() -> None:
             return
         _original_add_code = SourceInfo.add_code
         _original_build_guards = GraphCaptureOutput.build_guards
-        testing_hook = guards.guard_manager_testing_hook_fn
 
         def add_code(self: Any, code: types.CodeType) -> None:
             codes = getattr(_deferring, "codes", None)
@@ -524,40 +586,40 @@ def _defer_source_info() -> None:
                 codes.append(code)
 
         def build_guards(self: Any, code: types.CodeType, hooks: Any = None, save: bool = False, **kw: Any) -> Any:
-            record = getattr(_deferring, "guards", None)
-            if record is None or not save or hooks is None or hooks.guard_filter_fn is None or kw.get("cache_entries"):
+            trace = getattr(_deferring, "trace", None)
+            # Only our own aot_compile's build (not another aot_compile inside a backend).
+            if trace is None or not save or hooks is None or hooks.guard_filter_fn is not trace.keep:
                 return _original_build_guards(self, code, hooks=hooks, save=save, **kw)
-            return _build_once(self, code, hooks, record, kw)
-
-        def hook(guard_manager: Any, scope: Any, builder: Any) -> None:
-            if getattr(_deferring, "guards", None) is not None:
-                _deferring.builder = builder
-            if testing_hook is not None:
-                testing_hook(guard_manager, scope, builder)
+            return _build_once(self, code, hooks, trace, kw)
 
         add_code.qaic_defers = build_guards.qaic_defers = True  # type: ignore[attr-defined]
         SourceInfo.add_code = add_code
         GraphCaptureOutput.build_guards = build_guards
-        guards.guard_manager_testing_hook_fn = hook
 
 
-def _build_once(capture: Any, code: types.CodeType, hooks: Any, record: list[Any], kw: dict[str, Any]) -> Any:
+def _build_once(capture: Any, code: types.CodeType, hooks: Any, trace: _Deferring, kw: dict[str, Any]) -> Any:
     """``build_guards(save=True)`` inside ``aot_compile_frame``: the whole guards, built
-    once, with the filter evaluated on them, and the saved build left for later."""
+    once, with the filter evaluated on them, and the saved build left for later. Builds
+    as ``aot_compile`` does (now) where the saver could not build as the trace would."""
     from torch._dynamo.guards import make_guard_filter_entry
     from torch._guards import Guard
 
-    if capture.output_graph.torch_function_mode_stack:  # a thread-local stack the saver could not set
-        return _original_build_guards(capture, code, hooks=hooks, save=True, **kw)
     state = _ThreadState.now()
+    # A torch-function mode stack is thread-local too, and not set again by the saver.
+    if state is None or capture.output_graph.torch_function_mode_stack or kw.get("cache_entries"):
+        return _original_build_guards(capture, code, hooks=hooks, save=True, **kw)
+    _own_testing_hook()
     _deferring.builder = None
-    check_fn = _original_build_guards(capture, code, hooks=None, save=False, **kw)
-    builder, _deferring.builder = _deferring.builder, None
+    try:
+        check_fn = _original_build_guards(capture, code, hooks=None, save=False, **kw)
+        builder = _deferring.builder
+    finally:
+        _deferring.builder = None
     if builder is None:  # Dynamo skipped its own check (and the hook); build as aot_compile does
         return _original_build_guards(capture, code, hooks=hooks, save=True, **kw)
     guards = sorted(capture.output_graph.guards, key=Guard.sort_key)
     hooks.guard_filter_fn([make_guard_filter_entry(g, builder) for g in guards])
-    record.append(_DeferredGuards(capture, code, hooks.guard_filter_fn, state))
+    trace.builds.append(_DeferredGuards(capture, code, hooks.guard_filter_fn, state))
     check_fn.guards_state = b""  # aot_compile asks for one; AotFrame.serialize builds it
     return check_fn
 
@@ -599,10 +661,10 @@ def aot_compile_frame(
 
     _defer_source_info()
     codes: list[types.CodeType] = []
-    deferred: list[_DeferredGuards] = []
+    trace = _Deferring(keep, [])
     # a trace inside a backend nests
-    outer = getattr(_deferring, "codes", None), getattr(_deferring, "guards", None)
-    _deferring.codes, _deferring.guards = codes, deferred
+    outer = getattr(_deferring, "codes", None), getattr(_deferring, "trace", None)
+    _deferring.codes, _deferring.trace = codes, trace
     try:
         # Lazy graph modules, as Dynamo's own compile makes them: aot_compile leaves them
         # off, and every graph module the backend builds and rewrites is then compiled to
@@ -612,9 +674,9 @@ def aot_compile_frame(
                 func, fullgraph=True, backend=registering_backend, options={"guard_filter_fn": keep}
             ).aot_compile(example)
     finally:
-        _deferring.codes, _deferring.guards = outer
+        _deferring.codes, _deferring.trace = outer
         tracing = False
-    return AotFrame(compiled, codes, deferred[-1] if deferred else None), dropped
+    return AotFrame(compiled, codes, trace.builds[-1] if trace.builds else None), dropped
 
 
 def load_aot_frame(data: bytes, closure: dict[str, Any]) -> AotFrame:

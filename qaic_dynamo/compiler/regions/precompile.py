@@ -289,7 +289,9 @@ def source_digests(codes: list[types.CodeType]) -> dict[str, str]:
 
 
 #: Seconds between a trace and its save: a region traces inside the model's first call,
-#: and a save then (pickling holds the GIL) would slow the rest of that call.
+#: and a save then (pickling holds the GIL) would slow the rest of that call. Until its
+#: save a traced region holds the locals of its first call (its inputs), from which the
+#: saved guards are built.
 SAVE_DELAY_S = 2.0
 
 
@@ -490,6 +492,8 @@ class RegionPrecompile:
             compilation_counter.bump(num_precompiled_saves=1)
         except Exception as e:  # a trace that cannot be saved still runs; the next process traces
             logger.info("qaic: %s: its trace is not saved (%s)", self.label, e)
+        finally:
+            frame.release()  # the first call's inputs, held for the save's guard build
 
 
 def _saving_backend(config: CompilationConfig) -> Callable[..., SavedGraph]:
