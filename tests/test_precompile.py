@@ -400,22 +400,22 @@ def test_the_deferred_source_and_guard_records_install_once_and_pass_through_out
     from torch._dynamo.convert_frame import GraphCaptureOutput
     from torch._dynamo.package import SourceInfo
 
-    from qaic_dynamo._compat import torch_2_13
+    from qaic_dynamo._compat import torch_2_13_aot
 
     barrier = threading.Barrier(4)
 
     def install():
         barrier.wait()
-        torch_2_13._defer_source_info()
+        torch_2_13_aot._defer_source_info()
 
     threads = [threading.Thread(target=install) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert SourceInfo.add_code.qaic_defers and not getattr(torch_2_13._original_add_code, "qaic_defers", False)
+    assert SourceInfo.add_code.qaic_defers and not getattr(torch_2_13_aot._original_add_code, "qaic_defers", False)
     assert GraphCaptureOutput.build_guards.qaic_defers
-    assert not getattr(torch_2_13._original_build_guards, "qaic_defers", False)
+    assert not getattr(torch_2_13_aot._original_build_guards, "qaic_defers", False)
     info = SourceInfo(inlined_sources=set())
     info.add_code(describe.__code__)
     assert [s.module for s in info.inlined_sources] == ["qaic_dynamo.compiler.regions.precompile"]
