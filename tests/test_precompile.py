@@ -633,3 +633,38 @@ def test_the_builder_hook_is_installed_again_if_replaced_and_chains_the_one_befo
         assert len(frame.serialize({})) > 100
     torch._dynamo.reset()
     assert torch.compile(scaled, backend="eager")(torch.ones(2)).tolist() == [2.0, 2.0]  # outside a trace
+
+
+def test_the_saved_guards_are_built_by_the_thread_running_the_model_not_the_saver(tmp_path, monkeypatch):
+    """Dynamo parses guard expressions with ``ast``, which CPython 3.11 does not allow on
+    two threads at once: built on the saver thread, they broke the program's own
+    ``ast.parse`` with "SystemError: AST constructor recursion depth mismatch" (seen in
+    CI). The region's first call after the delay builds them; the saver only writes."""
+    import threading
+
+    from region_models import Stack
+
+    from qaic_dynamo._compat import torch_2_13_aot
+    from qaic_dynamo.compiler.regions import precompile
+
+    built_on = []
+    original = torch_2_13_aot._DeferredGuards.build
+
+    def spy(self, trace_guards):
+        built_on.append(threading.current_thread().name)
+        return original(self, trace_guards)
+
+    monkeypatch.setattr(torch_2_13_aot._DeferredGuards, "build", spy)
+    monkeypatch.setattr(precompile, "SAVE_DELAY_S", 0.3)
+    torch._dynamo.reset()
+    model, x = Stack(), torch.randn(2, 8)
+    qaic_dynamo.compile(model, cache_dir=str(tmp_path))
+    with torch.no_grad():
+        with compilation_counter.expect(num_precompiled_traces=2):
+            model(x)
+        threading.Event().wait(0.6)  # past the delay: a saver thread building them would have
+        assert built_on == []
+        model(x)  # the next call hands each trace over
+    assert built_on == [threading.current_thread().name] * 2
+    with compilation_counter.expect(num_precompiled_saves=2):
+        wait_for_saves()

@@ -52,12 +52,19 @@ class AotFrame:
             for code in self.traced_codes:
                 _original_add_code(info, code)
             self._sources_pending = False
-        deferred, self._deferred = self._deferred, None  # built once; its scope is let go either way
-        if deferred is not None:
-            self._compiled._artifacts.guards_state = deferred.build(self.guard_manager)
+        self.build_saved_guards()
         if not self._compiled._artifacts.guards_state:
             raise RuntimeError("the frame's guards were not built for saving (serialize is called once)")
         return type(self._compiled).serialize(self._compiled, closure).serialized_data
+
+    def build_saved_guards(self) -> None:
+        """Build and pickle the guards a save keeps, if the trace left them for later (at
+        most once; :meth:`serialize` does it otherwise). Dynamo parses guard expressions
+        with ``ast``, which CPython 3.11 does not allow on two threads at once: call it
+        on the thread that runs the model, not a worker. Raises as :meth:`serialize`."""
+        deferred, self._deferred = self._deferred, None  # built once; its scope is let go either way
+        if deferred is not None:
+            self._compiled._artifacts.guards_state = deferred.build(self.guard_manager)
 
     def release(self) -> None:
         """Let go of what only a save needs - the trace's locals (the first call's inputs),

@@ -289,64 +289,72 @@ def source_digests(codes: list[types.CodeType]) -> dict[str, str]:
 
 
 #: Seconds between a trace and its save: a region traces inside the model's first call,
-#: and a save then (pickling holds the GIL) would slow the rest of that call. Until its
-#: save a traced region holds the locals of its first call (its inputs), from which the
-#: saved guards are built.
+#: and a save then would slow the rest of that call. The saved guards are built by the
+#: thread that runs the region, at its first call this long after the trace (or by
+#: :func:`wait_for_saves`, and at exit): Dynamo parses guard expressions with ``ast``,
+#: which CPython 3.11 does not allow on two threads at once (``SystemError: AST
+#: constructor recursion depth mismatch``), so a worker thread building them could break
+#: the program's own parsing. The worker thread then pickles and writes the entry. Until
+#: then a traced region holds the locals of its first call (its inputs).
 SAVE_DELAY_S = 2.0
 
 
 class _Saver:
-    """Saves traces on one daemon thread, each ``SAVE_DELAY_S`` after it was traced; at
-    interpreter exit the ones still waiting are written at once (a process that ends
-    sooner still leaves its traces), and one being written is finished."""
+    """Writes saves on one daemon thread, in order; :meth:`flush` (at interpreter exit,
+    through :func:`wait_for_saves`) writes the ones still waiting at once (a process that
+    ends sooner still leaves its traces), after the one being written."""
 
     def __init__(self) -> None:
-        self._pending: list[tuple[float, Callable[[], None]]] = []
+        self._pending: list[Callable[[], None]] = []
         self._cv = threading.Condition()
         self._writing = threading.Lock()
         self._thread: threading.Thread | None = None
-        atexit.register(self.flush)
 
     def submit(self, save: Callable[[], None]) -> None:
         with self._cv:
-            self._pending.append((time.monotonic() + SAVE_DELAY_S, save))
+            self._pending.append(save)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="qaic-precompile-saver", daemon=True)
                 self._thread.start()
             self._cv.notify()
 
-    def _next(self, wait: bool) -> Callable[[], None] | None:
+    def _next(self) -> Callable[[], None] | None:
         with self._cv:
-            while True:
-                if self._pending:
-                    due = self._pending[0][0] - time.monotonic()
-                    if due <= 0 or not wait:
-                        return self._pending.pop(0)[1]
-                elif not wait:
-                    return None
-                else:
-                    due = None
-                self._cv.wait(due)
+            return self._pending.pop(0) if self._pending else None
 
     def _run(self) -> None:
         while True:
-            save = self._next(wait=True)
+            with self._cv:
+                self._cv.wait_for(lambda: bool(self._pending))
+            # Taken under the writing lock, so that a flush never returns while a save it
+            # did not see is still being written.
             with self._writing:
-                save()
+                save = self._next()
+                if save is not None:
+                    save()
 
     def flush(self) -> None:
         """Write every waiting save now, in this thread, after the one being written."""
         with self._writing:
-            while (save := self._next(wait=False)) is not None:
+            while (save := self._next()) is not None:
                 save()
 
 
 _saver = _Saver()
 
+#: Regions whose trace waits for its saved guards' build (see SAVE_DELAY_S).
+_unbuilt: set[RegionPrecompile] = set()
+
 
 def wait_for_saves() -> None:
-    """Write the traces still waiting to be saved (tests; exit does it too)."""
+    """Build, in this thread, the saved guards still waiting, and write every trace still
+    waiting to be saved (tests; exit does it too)."""
+    for region in list(_unbuilt):
+        region.hand_over_save()
     _saver.flush()
+
+
+atexit.register(wait_for_saves)
 
 
 class RegionPrecompile:
@@ -375,6 +383,9 @@ class RegionPrecompile:
         # drops or rebinds them, not live on in the last region that checked them.
         self._checked_context: weakref.ref[Any] | None = None
         self._lock = threading.Lock()
+        # The trace this process made and has not yet handed to the saver, and when it is due.
+        self._unsaved: tuple[AotFrame, DroppedGuards] | None = None
+        self._save_due: float | None = None
 
     def _key(self) -> str:
         code = self.func.__code__
@@ -397,6 +408,8 @@ class RegionPrecompile:
         frame = self.frame
         if frame is None:
             return None
+        if self._save_due is not None and time.monotonic() >= self._save_due:
+            self.hand_over_save()
         ctx = get_forward_context() if has_forward_context() else None
         checked = self._checked_context
         if ctx is None or checked is None or checked() is not ctx:
@@ -412,6 +425,7 @@ class RegionPrecompile:
     def _drop(self, why: str) -> None:
         logger.warning("qaic: %s: its precompiled trace no longer holds (%s); Dynamo traces it again", self.label, why)
         self.frame, self.guards, self.off = None, None, why
+        self._discard_unsaved()
         self.disk.discard(self.key)
         compilation_counter.bump(num_precompiled_discards=1)
 
@@ -475,7 +489,31 @@ class RegionPrecompile:
             return
         self.frame, self.guards = frame, guards
         compilation_counter.bump(num_precompiled_traces=1)
+        self._unsaved, self._save_due = (frame, guards), time.monotonic() + SAVE_DELAY_S
+        _unbuilt.add(self)
+
+    def hand_over_save(self) -> None:
+        """Build the trace's saved guards on this thread, then queue its write (once)."""
+        with self._lock:
+            unsaved, self._unsaved, self._save_due = self._unsaved, None, None
+            _unbuilt.discard(self)
+        if unsaved is None:
+            return
+        frame, guards = unsaved
+        try:
+            frame.build_saved_guards()
+        except Exception as e:  # noqa: BLE001  a trace that cannot be saved still runs
+            logger.info("qaic: %s: its trace is not saved (%s)", self.label, e)
+            frame.release()
+            return
         _saver.submit(lambda: self._save(frame, guards))
+
+    def _discard_unsaved(self) -> None:
+        with self._lock:
+            unsaved, self._unsaved, self._save_due = self._unsaved, None, None
+            _unbuilt.discard(self)
+        if unsaved is not None:
+            unsaved[0].release()
 
     def _save(self, frame: AotFrame, guards: DroppedGuards) -> None:
         try:
