@@ -229,7 +229,7 @@ def _restart(args: argparse.Namespace, cache_dir: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from qaic_dynamo.compiler import compile_reports
+    from qaic_dynamo.compiler import compile_reports, wait_for_saves
     from qaic_dynamo.counter import compilation_counter
     from qaic_dynamo.engine import LLM
 
@@ -262,7 +262,9 @@ def run(args: argparse.Namespace) -> int:
     out = qaic.generate_outputs(prompts, args.max_new_tokens, return_logits=True)
     qaic_s = time.perf_counter() - t0
 
-    # A restart: a new process, the same persistent cache.
+    # A restart: a new process, the same persistent cache. This process writes what an
+    # exit would (its saved traces) first: it is still running.
+    wait_for_saves()
     restart = _restart(args, cache_dir)
     warm_s, warm_hits, warm_exports = restart["seconds"], restart["disk_hits"], restart["exports"]
 

@@ -664,7 +664,7 @@ def test_the_saved_guards_are_built_by_the_thread_running_the_model_not_the_save
             model(x)
         threading.Event().wait(0.6)  # past the delay: a saver thread building them would have
         assert built_on == []
-        model(x)  # the next call hands each trace over
+        with compilation_counter.expect(num_precompiled_saves=2):
+            model(x)  # the next call hands each trace over; the saver writes them
+            wait_for_saves()
     assert built_on == [threading.current_thread().name] * 2
-    with compilation_counter.expect(num_precompiled_saves=2):
-        wait_for_saves()

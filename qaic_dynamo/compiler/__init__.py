@@ -10,7 +10,7 @@ region (``qaic_dynamo.compile``), each repeated block traced once.
 """
 
 from qaic_dynamo.compiler.backend import QaicBackend, qaic_backend
-from qaic_dynamo.compiler.regions import compile, specialized_floats
+from qaic_dynamo.compiler.regions import compile, specialized_floats, wait_for_saves
 from qaic_dynamo.compiler.report import GraphReport, PieceReport, compile_reports, last_compile_report
 
 __all__ = [
@@ -22,4 +22,5 @@ __all__ = [
     "last_compile_report",
     "qaic_backend",
     "specialized_floats",
+    "wait_for_saves",
 ]

@@ -8,6 +8,7 @@ holds Dynamo's settings for a qaic compile.
 from qaic_dynamo.compiler.regions.compile import CompiledRegion, compile, mark_dynamic_dims
 from qaic_dynamo.compiler.regions.dispatch import DYNAMO_SKIPPED, GuardedDispatch
 from qaic_dynamo.compiler.regions.plan import RegionPlan, find_repeated_blocks, plan_regions
+from qaic_dynamo.compiler.regions.precompile import wait_for_saves
 from qaic_dynamo.compiler.regions.settings import REGION_RECOMPILE_LIMIT, region_config, specialized_floats
 
 __all__ = [
@@ -22,4 +23,5 @@ __all__ = [
     "plan_regions",
     "region_config",
     "specialized_floats",
+    "wait_for_saves",
 ]
