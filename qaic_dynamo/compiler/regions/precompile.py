@@ -7,9 +7,10 @@ vLLM's AOT compile mode) saves a traced frame - the transformed bytecode, its gu
 the backend's output (:mod:`qaic_dynamo.compiler.saved_graph`) - and another process runs
 it without tracing. A region's first call therefore traces through ``aot_compile``
 (one trace, and one build of its guards, as Dynamo's own path would make) and runs that
-entry; a worker thread saves it a little later (``SAVE_DELAY_S``, or at exit), off the
-first call - the saved guards are built and pickled then, only if the objects the trace
-guarded on still pass its guards - and the next process loads it.
+entry. Off the first call - at the region's first call ``SAVE_DELAY_S`` later, or at
+exit - the thread running it builds the guards the save keeps, only if the objects the
+trace guarded on still pass its guards, and a worker thread pickles and writes the
+entry; the next process loads it.
 
 The saved entry keeps only the guards Dynamo can serialize. The ones it drops - every
 guard on a global (``apply_rotary_pos_emb``, the attention function registered under
@@ -383,9 +384,9 @@ class RegionPrecompile:
         # drops or rebinds them, not live on in the last region that checked them.
         self._checked_context: weakref.ref[Any] | None = None
         self._lock = threading.Lock()
-        # The trace this process made and has not yet handed to the saver, and when it is due.
-        self._unsaved: tuple[AotFrame, DroppedGuards] | None = None
-        self._save_due: float | None = None
+        # The trace this process made and has not yet handed to the saver: (frame, its
+        # dropped guards, when it is due).
+        self._unsaved: tuple[AotFrame, DroppedGuards, float] | None = None
 
     def _key(self) -> str:
         code = self.func.__code__
@@ -408,7 +409,8 @@ class RegionPrecompile:
         frame = self.frame
         if frame is None:
             return None
-        if self._save_due is not None and time.monotonic() >= self._save_due:
+        unsaved = self._unsaved
+        if unsaved is not None and time.monotonic() >= unsaved[2]:
             self.hand_over_save()
         ctx = get_forward_context() if has_forward_context() else None
         checked = self._checked_context
@@ -489,17 +491,15 @@ class RegionPrecompile:
             return
         self.frame, self.guards = frame, guards
         compilation_counter.bump(num_precompiled_traces=1)
-        self._unsaved, self._save_due = (frame, guards), time.monotonic() + SAVE_DELAY_S
+        self._unsaved = (frame, guards, time.monotonic() + SAVE_DELAY_S)
         _unbuilt.add(self)
 
     def hand_over_save(self) -> None:
         """Build the trace's saved guards on this thread, then queue its write (once)."""
-        with self._lock:
-            unsaved, self._unsaved, self._save_due = self._unsaved, None, None
-            _unbuilt.discard(self)
+        unsaved = self._take_unsaved()
         if unsaved is None:
             return
-        frame, guards = unsaved
+        frame, guards, _ = unsaved
         try:
             frame.build_saved_guards()
         except Exception as e:  # noqa: BLE001  a trace that cannot be saved still runs
@@ -508,10 +508,14 @@ class RegionPrecompile:
             return
         _saver.submit(lambda: self._save(frame, guards))
 
-    def _discard_unsaved(self) -> None:
+    def _take_unsaved(self) -> tuple[AotFrame, DroppedGuards, float] | None:
         with self._lock:
-            unsaved, self._unsaved, self._save_due = self._unsaved, None, None
+            unsaved, self._unsaved = self._unsaved, None
             _unbuilt.discard(self)
+        return unsaved
+
+    def _discard_unsaved(self) -> None:
+        unsaved = self._take_unsaved()
         if unsaved is not None:
             unsaved[0].release()
 
