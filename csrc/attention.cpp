@@ -12,8 +12,11 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <omp.h>
+
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace qaic {
@@ -23,8 +26,39 @@ namespace {
 // Work below this many multiply-adds stays on the calling thread. Why it matters: in a
 // compiled model attention is the only PyTorch work between ONNX Runtime pieces, and an
 // OpenMP region leaves PyTorch's workers spinning for a while afterwards, taking cores
-// from ONNX Runtime's threads. A decode step's attention is small, so it runs serially.
+// from ONNX Runtime's threads (and once the runtime has released them, the next region
+// starts them again). A decode step's attention is small, so it runs serially, and so does
+// a small prefill's (SDPA under SerialScope); below this size one thread is also faster on
+// its own.
 constexpr int64_t kSerialDecodeWork = int64_t(1) << 22;
+
+// PyTorch's parallel_for (SDPA's CPU kernel uses it) asks OpenMP for the calling
+// thread's team size; while this guard lives that is 1, so the work stays on this thread.
+// OpenMP keeps the setting per thread: other threads' forwards are untouched.
+class SerialScope {
+ public:
+  explicit SerialScope(bool on) {
+    if (on) {
+      // at::get_num_threads initialises the thread's setting once; after that ours holds.
+      prev_ = at::get_num_threads();
+      if (prev_ > 1) {
+        omp_set_num_threads(1);
+      } else {
+        prev_ = 0;
+      }
+    }
+  }
+  ~SerialScope() {
+    if (prev_ > 0) {
+      omp_set_num_threads(prev_);
+    }
+  }
+  SerialScope(const SerialScope&) = delete;
+  SerialScope& operator=(const SerialScope&) = delete;
+
+ private:
+  int prev_ = 0;
+};
 
 struct DecodeRow {
   int64_t row;    // query row
@@ -225,6 +259,17 @@ at::Tensor paged_attention(
   const bool direct = key_cache.is_contiguous() && value_cache.is_contiguous() &&
       (!extra_key_cache || extra_key_cache->is_contiguous());
   std::vector<DecodeRow> decode_rows;
+  // The prefill work (multiply-adds of scores and weighted sums): small batches run serially
+  // for the same reason as small decode steps (kSerialDecodeWork).
+  int64_t prefill_work = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t n = md.query_start_loc_host[b + 1] - md.query_start_loc_host[b];
+    if (n > 1 || !direct) {
+      prefill_work += n * md.seq_lens_host[b] * (query.size(2) + value_cache.size(3)) * query.size(1);
+    }
+  }
+  std::optional<SerialScope> serial;
+  serial.emplace(prefill_work < kSerialDecodeWork);
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t q0 = md.query_start_loc_host[b];
     const int64_t n = md.query_start_loc_host[b + 1] - q0;
@@ -305,6 +350,7 @@ at::Tensor paged_attention(
     at::Tensor o = at::matmul(probs, vf);  // [Hq, n, Dv]
     out.narrow(0, q0, n).copy_(o.transpose(0, 1));
   }
+  serial.reset();  // the decode kernel below decides for itself
   if (!decode_rows.empty()) {
     const at::Tensor q = query.contiguous();
     const float sm_scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(double(query.size(2)))));

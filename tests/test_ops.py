@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from conftest import ref_causal_attention, ref_reshape_and_cache
@@ -598,6 +600,45 @@ def test_attention_needs_full_metadata():
         ops.unified_kv_cache_update(torch.ones(2, 1, 8), torch.ones(2, 1, 8))  # fine
         with pytest.raises(RuntimeError, match="needs attention metadata"):
             ops.unified_attention(torch.ones(2, 1, 8), torch.ones(2, 1, 8), torch.ones(2, 1, 8), "l0")
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(
+    not os.path.isdir("/proc/self/task") or not torch.backends.openmp.is_available() or torch.get_num_threads() < 2,
+    reason="counts the OpenMP workers through Linux's /proc with PyTorch's OpenMP on 2+ threads",
+)
+@pytest.mark.parametrize(
+    ("seq_lens", "parallel"),
+    [([32, 32], False), ([40, 1], False), ([256, 256], True), ([300, 1], True)],
+    ids=["small-prefill", "small-prefill-and-decode", "large-prefill", "large-prefill-and-decode"],
+)
+def test_a_small_prefill_runs_attention_on_the_calling_thread(seq_lens, parallel):
+    """Between two ONNX Runtime pieces (which release PyTorch's OpenMP workers first), a
+    small prefill's SDPA started the workers again every layer: slower than one thread, and
+    they took the cores from ONNX Runtime's. Below the serial threshold no worker starts;
+    above it attention is parallel as before, and the caller's thread count is restored."""
+    from qaic_dynamo.runtime import release_openmp_workers
+
+    query_lens = [s if s > 1 else 1 for s in seq_lens]
+    b = batch(seq_lens=seq_lens, query_lens=query_lens, block_size=16, heads=8, kv_heads=2, head_size=64)
+    threads = torch.get_num_threads()
+    with set_forward_context(b["md"], b["kv"]):
+        ops.unified_kv_cache_update(b["new_k"], b["new_v"])
+        assert release_openmp_workers() is True
+        before = _os_threads()
+        out = ops.unified_attention(b["query"], b["new_k"], b["new_v"], "l0")
+        started = _os_threads() - before
+    assert (started > 0) == parallel, f"{started} threads started"
+    assert torch.get_num_threads() == threads
+    q0 = 0
+    for k, v, n in zip(b["full_k"], b["full_v"], query_lens):
+        torch.testing.assert_close(
+            out[q0 : q0 + n], ref_causal_attention(b["query"][q0 : q0 + n], k, v), atol=1e-5, rtol=1e-5
+        )
+        q0 += n
 
 
 def test_long_decode_rows_past_the_serial_threshold_match_the_reference():
