@@ -9,6 +9,7 @@ that a first process filled.
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import subprocess
@@ -508,6 +509,36 @@ def test_a_precompiled_trace_hands_the_backend_lazy_graph_modules_as_dynamo_does
     frame, _ = aot_compile_frame(scaled, ((torch.ones(3),), {}), backend)
     assert seen == [(True, True)]
     torch.testing.assert_close(frame.fn(torch.ones(3)), torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize("run_gc", [True, False])
+def test_a_precompiled_trace_collects_the_young_generations_as_dynamos_compile_does(run_gc):
+    # Dynamo's compile collects generations 0 and 1 after every frame (run_gc_after_compile);
+    # aot_compile did not, and the trace's garbage reached the oldest generation through
+    # later automatic collections, inside the first call.
+    from qaic_dynamo._compat import aot_compile_frame
+    from qaic_dynamo.compiler.saved_graph import SavedGraph
+    from qaic_dynamo.config import CompilationConfig
+
+    def backend(gm, example_inputs):
+        return SavedGraph(gm.forward, CompilationConfig())
+
+    collections = []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    torch._dynamo.reset()
+    gc.disable()  # no automatic collection: only explicit ones are counted
+    gc.callbacks.append(on_gc)
+    try:
+        with torch._dynamo.config.patch(run_gc_after_compile=run_gc):
+            aot_compile_frame(scaled, ((torch.ones(3),), {}), backend)
+    finally:
+        gc.callbacks.remove(on_gc)
+        gc.enable()
+    assert collections == ([1] if run_gc else [])
 
 
 def _frame_of_scaled_block(layer, x):

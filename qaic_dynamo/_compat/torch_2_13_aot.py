@@ -10,6 +10,7 @@ trace) takes more of Dynamo's internals than anything else the adapter wraps.
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import types
 from collections.abc import Callable
@@ -326,6 +327,11 @@ def aot_compile_frame(
     finally:
         _deferring.codes, _deferring.trace = outer
         tracing = False
+        # Dynamo's own compile collects the young generations after every frame it
+        # compiles (convert_frame, run_gc_after_compile); aot_compile does not, and the
+        # trace's garbage then reached the oldest generation through later collections.
+        if torch._dynamo.config.run_gc_after_compile:
+            gc.collect(1)
     return AotFrame(compiled, codes, trace.builds[-1] if trace.builds else None), dropped
 
 
