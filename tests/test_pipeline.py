@@ -726,7 +726,7 @@ def test_a_size_no_tensor_carries_reaches_the_onnx_through_a_carrier():
     # by another thread) meanwhile, and the binding must not point at freed memory.
     (runner,) = last_compile_report().runners()
     runner._size_carrier(50)  # what another thread's call does after the last call (n=9) bound
-    bound = runner.bound_inputs()[0]
+    bound = runner.bound_inputs()
     carrier = next(name for name, src in runner._inputs if src[0] == "size")
     assert bound[carrier] in [t.data_ptr() for t in runner._this_thread().keep]
 

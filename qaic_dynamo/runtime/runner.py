@@ -92,8 +92,9 @@ class PieceRunner(torch.nn.Module):
     (:func:`no_backward`) instead of none at all.
 
     The per-call path is kept lean because it runs once per layer per step: bindings are
-    compared with what is already bound and only changed ones are re-bound (weights and
-    the layer's caches stay bound), and the C-level IOBinding is called directly.
+    compared with what is already bound and only changed ones are re-bound (a whole-model
+    compile's runner serves one layer, whose weights and caches stay bound), and the
+    C-level IOBinding is called directly.
 
     Threads: every thread gets its own IOBinding (ONNX Runtime sessions may run
     concurrently, a binding may not), and each resolves caches through its own forward
@@ -149,27 +150,19 @@ class PieceRunner(torch.nn.Module):
         self._release_openmp = config.release_openmp_workers
 
     # -- binding ----------------------------------------------------------------------------
-    def _binding(self, slot: int) -> _ThreadBinding:
-        """The calling thread's binding for ``slot`` (the forward context's layer index at
-        the call), which becomes the thread's current binding.
-
-        With regional compilation one runner serves every layer; a binding per layer keeps
-        each layer's weights and caches bound across steps, so a call re-binds only its
-        activations and outputs (as the whole-model compile's per-layer runners do)."""
-        local = self._local
-        bindings = getattr(local, "bindings", None)
-        if bindings is None:
-            bindings = local.bindings = {}
-        b = bindings.get(slot)
-        if b is None:
-            b = bindings[slot] = _ThreadBinding(self.artifact.session)
-        local.current = b
-        return b
-
     def _this_thread(self) -> _ThreadBinding:
-        """The binding of this thread's last :meth:`bind` (slot 0 before any)."""
-        b = getattr(self._local, "current", None)
-        return b if b is not None else self._binding(0)
+        """The calling thread's binding (made at its first call).
+
+        One per thread, not one per layer: with regional compilation one runner serves
+        every layer, and a binding per layer would keep that layer's weights bound across
+        steps - but making it in a layer's first call (ONNX Runtime's small, long-lived
+        objects for each bound input) splits the blocks the previous layer's outputs freed,
+        so every output of a first forward took fresh memory (12k page faults, ~35 ms at
+        128 layers) for no measurable gain in later steps (docs/benchmarks.md)."""
+        b = getattr(self._local, "binding", None)
+        if b is None:
+            b = self._local.binding = _ThreadBinding(self.artifact.session)
+        return b
 
     def _attach(self, b: _ThreadBinding, name: str, t: torch.Tensor, output: bool = False) -> None:
         sig = (t.data_ptr(), t.shape, t.dtype, output)
@@ -223,15 +216,11 @@ class PieceRunner(torch.nn.Module):
         args: Sequence[Any],
         ctx: Any = None,
         caches: list[list[torch.Tensor]] | None = None,
-        slot: int | None = None,
     ) -> tuple[list[torch.Tensor | None], dict[str, int] | None]:
         """Bind this call's inputs and fresh output tensors on the calling thread's
-        binding for ``slot`` (default: ``ctx``'s layer index, else 0); returns (outputs,
-        symbol values). Resolves the caches through ``ctx`` (advancing its layer index)
-        unless ``caches`` are given."""
-        if slot is None:
-            slot = ctx.kv_cache_layer_index if ctx is not None else 0
-        b = self._binding(slot)
+        binding; returns (outputs, symbol values). Resolves the caches through ``ctx``
+        (advancing its layer index) unless ``caches`` are given."""
+        b = self._this_thread()
         if caches is None:
             caches = self._caches(ctx) if self._updates else []
         keep: list[torch.Tensor] = []  # what is bound but not the caller's must outlive the run
@@ -303,11 +292,10 @@ class PieceRunner(torch.nn.Module):
             buffer = self._carrier_buffer = torch.empty(grown, dtype=SIZE_CARRIER_DTYPE)
         return buffer[:n]
 
-    def bound_inputs(self) -> dict[int, dict[str, int]]:
-        """The calling thread's bindings: ``{slot: {input name: data pointer}}``, one slot
-        per forward-context layer index this runner was called at."""
-        bindings = getattr(self._local, "bindings", {})
-        return {slot: {name: sig[0] for name, sig in b.bound.items() if not sig[3]} for slot, b in bindings.items()}
+    def bound_inputs(self) -> dict[str, int]:
+        """The calling thread's bound inputs: ``{input name: data pointer}``."""
+        b = getattr(self._local, "binding", None)
+        return {name: sig[0] for name, sig in b.bound.items() if not sig[3]} if b is not None else {}
 
     def bind_output(self, name: str, t: torch.Tensor) -> None:
         """Bind ``t`` as output ``name`` on the calling thread's binding (benchmarks bind
@@ -347,7 +335,7 @@ class PieceRunner(torch.nn.Module):
         start = ctx.kv_cache_layer_index if ctx is not None else 0
         try:
             caches = self._caches(ctx) if self._updates else []
-            outs, sym = self.bind(args, ctx, caches, slot=start)
+            outs, sym = self.bind(args, ctx, caches)
             self.run_bound()
         except CacheLayoutError:
             raise
