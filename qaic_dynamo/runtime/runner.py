@@ -157,8 +157,8 @@ class PieceRunner(torch.nn.Module):
         every layer, and a binding per layer would keep that layer's weights bound across
         steps - but making it in a layer's first call (ONNX Runtime's small, long-lived
         objects for each bound input) splits the blocks the previous layer's outputs freed,
-        so every output of a first forward took fresh memory (12k page faults, ~35 ms at
-        128 layers) for no measurable gain in later steps (docs/benchmarks.md)."""
+        so every output of a first forward takes fresh memory, for no measurable gain in
+        later steps (docs/benchmarks.md, warm start)."""
         b = getattr(self._local, "binding", None)
         if b is None:
             b = self._local.binding = _ThreadBinding(self.artifact.session)
